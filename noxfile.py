@@ -1,0 +1,80 @@
+"""Sessions for every package of the toolkit monorepo.
+
+Packages are found by listing ``packages/``; sessions that concern one package are
+parametrized by its id, the folder name without the ``toolkit-`` prefix (``nn`` for
+``packages/toolkit-nn``, imported as ``toolkit.nn`` and tested in ``tests/nn``).
+
+Every session installs with pip into a fresh venv and pins torch through ``constraints.txt``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+PYTHON = "3.11"
+PACKAGES = sorted(
+    p.parent.name.removeprefix("toolkit-") for p in ROOT.glob("packages/*/pyproject.toml")
+)
+
+nox.needs_version = ">=2025.2.9"
+nox.options.default_venv_backend = "venv"
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["lint", "typecheck", "tests", "example"]
+
+
+def package_dir(package: str) -> str:
+    """The source folder of the package with id ``package``."""
+    return f"packages/toolkit-{package}"
+
+
+def install(session: nox.Session, *packages: str, groups: tuple[str, ...] = ()) -> None:
+    """Install ``packages`` editable plus the root dependency ``groups``, torch pinned."""
+    requirements = [
+        req for group in groups for req in nox.project.dependency_groups(PYPROJECT, group)
+    ]
+    editables = [arg for package in packages for arg in ("-e", package_dir(package))]
+    session.install(*CONSTRAINTS, *editables, *requirements)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """Ruff lint and format check over the whole repository."""
+    session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("package", PACKAGES)
+def typecheck(session: nox.Session, package: str) -> None:
+    """Mypy --strict over the package and its typing tests (``tests/typing/<id>_types.py``)."""
+    install(session, package, groups=("typecheck",))
+    targets = [f"{package_dir(package)}/src", *map(str, ROOT.glob(f"tests/typing/{package}_*.py"))]
+    session.run(
+        "mypy",
+        "--explicit-package-bases",
+        *targets,
+        env={"MYPYPATH": f"{package_dir(package)}/src"},
+    )
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """Pytest over ``tests/<id>``; arguments after ``--`` go to pytest."""
+    install(session, package, groups=("test",))
+    has_paths = any(not arg.startswith("-") for arg in session.posargs)
+    paths = [] if has_paths else [f"tests/{package}"]
+    session.run("pytest", *paths, *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def example(session: nox.Session) -> None:
+    """Train the tiny tied language model of ``examples/`` on the CPU."""
+    install(session, *PACKAGES, groups=("example",))
+    session.run("python", "examples/tiny_lm.py", *session.posargs)

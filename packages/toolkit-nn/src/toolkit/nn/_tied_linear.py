@@ -1,0 +1,161 @@
+"""TiedLinear: a bias-free linear layer that reads another module's weight on every call."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["TiedLinear"]
+
+
+class _Linear(nn.Module):
+    """The module that performs ``F.linear(x, weight)``, so that hooks can observe it."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+
+class TiedLinear:
+    """A bias-free linear layer whose weight is shared with another module, read live on every call.
+
+    TiedLinear does not copy or cache ``tied_module``'s weight; it reads
+    ``tied_module.weight`` on every call. This keeps the two layers tied even if
+    ``tied_module`` is later re-wrapped by something like FSDP, which replaces the memory
+    backing a weight but not the Module object that owns it. The same live read honours a
+    new Parameter assigned to ``tied_module``, ``to_empty`` after meta-device init,
+    ``load_state_dict(assign=True)``, ``.to()``, parametrizations and
+    ``torch.func.functional_call``.
+
+    TiedLinear intentionally does not subclass :class:`torch.nn.Module`.
+    ``Module.__setattr__`` auto-registers any Module-valued attribute as a submodule, which
+    would cause ``tied_module`` to be registered twice (once under its original owner, once
+    under TiedLinear), duplicating its weight in ``state_dict()`` and ``parameters()``. The
+    actual :func:`torch.nn.functional.linear` call is performed by the ``linear`` attribute,
+    a real Module, so forward hooks can still be attached to observe the transform: its
+    forward takes ``(x, weight)``.
+
+    Because the weight is owned by ``tied_module`` alone, a model's state dict has one key
+    for it and no shared storage, so ``safetensors.torch.save_file`` works, and
+    ``copy.deepcopy`` or ``pickle`` of the model re-ties the copy to the copied module.
+
+    Args:
+        tied_module: The module whose ``weight`` attribute is shared. Only the weight is
+            used; any bias on ``tied_module`` is ignored.
+
+    Raises:
+        AttributeError: If ``tied_module`` does not have a ``weight`` attribute.
+        TypeError: If ``tied_module.weight`` is not a tensor.
+        ValueError: If ``tied_module.weight`` is not 2-D. An uninitialized lazy parameter is
+            accepted; its shape is checked when it is used.
+
+    Added in version v3.58.0. Native replacement for torchtune's ``TiedLinear``, removing the
+    ``torchtune`` dependency.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from toolkit.nn import TiedLinear
+        >>> embedding = nn.Embedding(100, 16)
+        >>> head = TiedLinear(embedding)
+        >>> head(torch.randn(4, 16)).shape
+        torch.Size([4, 100])
+        >>> head.weight is embedding.weight
+        True
+    """
+
+    __slots__ = ("linear", "tied_module")
+
+    tied_module: nn.Module
+    linear: nn.Module
+
+    def __init__(self, tied_module: nn.Module) -> None:
+        try:
+            weight = tied_module.weight
+        except AttributeError:
+            raise AttributeError(
+                f"TiedLinear needs a module with a 'weight' attribute to tie to, but "
+                f"{type(tied_module).__name__} has none; pass the module that owns the "
+                "shared weight, such as the token embedding"
+            ) from None
+        _check_weight(tied_module, weight)
+        self.tied_module = tied_module
+        self.linear = _Linear()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the tied linear transform.
+
+        Args:
+            x: Input tensor of shape (..., in_features), where in_features matches the
+                second dimension of tied_module.weight.
+
+        Returns:
+            The output tensor of shape (..., out_features), where out_features matches the
+            first dimension of tied_module.weight.
+
+        Raises:
+            RuntimeError: If ``x`` cannot be multiplied by the weight; the message gives
+                both shapes.
+        """
+        weight = self.tied_module.weight
+        try:
+            return self.linear(x, weight)  # type: ignore[no-any-return]
+        except RuntimeError as error:
+            # Diagnose only once the call has failed, so the normal path pays nothing.
+            explained = _explain_failure(self, x, weight)
+            if explained is None:
+                raise
+            raise explained from error
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """``tied_module.weight``, read live: the weight the next call will use."""
+        return self.tied_module.weight  # type: ignore[return-value]
+
+    @property
+    def in_features(self) -> int:
+        """The size of the input's last dimension: ``weight.shape[1]``, read live."""
+        return int(self.weight.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        """The size of the output's last dimension: ``weight.shape[0]``, read live."""
+        return int(self.weight.shape[0])
+
+    def __repr__(self) -> str:
+        tied = f"{type(self.tied_module).__name__}({self.tied_module.extra_repr()})"
+        weight = self.weight
+        if nn.parameter.is_lazy(weight):
+            features = "in_features=<uninitialized>, out_features=<uninitialized>"
+        else:
+            features = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"TiedLinear({features}, tied_to={tied}.weight)"
+
+
+def _check_weight(tied_module: nn.Module, weight: object) -> None:
+    owner = type(tied_module).__name__
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(
+            f"TiedLinear needs {owner}.weight to be a 2-D tensor, got "
+            f"{type(weight).__name__}; tie to a module whose weight is a tensor"
+        )
+    if not nn.parameter.is_lazy(weight) and weight.dim() != 2:
+        raise ValueError(
+            f"TiedLinear needs {owner}.weight to be 2-D (out_features, in_features), got "
+            f"shape {tuple(weight.shape)}; tie to a module with a matrix weight, such as "
+            "nn.Embedding or nn.Linear"
+        )
+
+
+def _explain_failure(tl: TiedLinear, x: object, weight: object) -> Exception | None:
+    """Return a clearer error for a failed call, or None to re-raise the original."""
+    owner = type(tl.tied_module).__name__
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return None
+    if weight.dim() == 2 and (x.dim() == 0 or x.shape[-1] != weight.shape[1]):
+        return RuntimeError(
+            f"TiedLinear input has shape {tuple(x.shape)}, but {owner}.weight has shape "
+            f"{tuple(weight.shape)}: the input's last dimension must equal "
+            f"in_features={weight.shape[1]}; reshape the input or tie to the right module"
+        )
+    return None

@@ -1,0 +1,193 @@
+"""Property tests: the laws TiedLinear obeys for every shape, dtype, device and seed."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from tests.nn.models import TiedPair
+from tests.strategies import LinearCase, linear_cases, make_tensor
+from toolkit.nn import TiedLinear
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal shape, dtype and device, and, where there is data, equal bit for bit."""
+    assert actual.shape == expected.shape
+    assert actual.dtype == expected.dtype
+    assert actual.device == expected.device
+    if actual.device.type != "meta":
+        assert torch.equal(actual, expected)
+
+
+def build_tied_module(case: LinearCase, kind: str) -> nn.Module:
+    """An embedding or a bias-free linear whose weight is (out_features, in_features)."""
+    options = {"device": case.device, "dtype": case.dtype}
+    if kind == "embedding":
+        module: nn.Module = nn.Embedding(case.out_features, case.in_features, **options)
+    else:
+        module = nn.Linear(case.in_features, case.out_features, bias=False, **options)
+    with torch.no_grad():
+        module.weight.copy_(make_tensor((case.out_features, case.in_features), case, offset=1))
+    return module
+
+
+tied_kinds = st.sampled_from(["embedding", "linear"])
+
+
+@given(case=linear_cases(), kind=tied_kinds)
+def test_agrees_with_f_linear_bit_for_bit(case: LinearCase, kind: str) -> None:
+    tied = build_tied_module(case, kind)
+    x = make_tensor(case.x_shape, case)
+    assert_same(TiedLinear(tied)(x), F.linear(x, tied.weight))
+
+
+@given(case=linear_cases(), kind=tied_kinds)
+def test_shape_law(case: LinearCase, kind: str) -> None:
+    tied = build_tied_module(case, kind)
+    out = TiedLinear(tied)(make_tensor(case.x_shape, case))
+    assert out.shape == (*case.lead, case.out_features)
+    assert out.dtype == case.dtype
+    assert out.device.type == case.device
+
+
+@given(case=linear_cases(min_out=1, float_only=True))
+def test_gradient_is_the_sum_of_both_uses(case: LinearCase) -> None:
+    model = TiedPair(case.out_features, case.in_features, dtype=case.dtype, device=case.device)
+    with torch.no_grad():
+        model.emb.weight.copy_(make_tensor((case.out_features, case.in_features), case, offset=1))
+    generator = torch.Generator().manual_seed(case.seed)
+    idx = torch.randint(0, case.out_features, case.lead, generator=generator).to(case.device)
+    grad_out = make_tensor((*case.lead, case.out_features), case, offset=2)
+
+    model(idx).backward(grad_out)
+
+    # Functional reference: differentiate each use of the weight on its own, then add.
+    w = model.emb.weight.detach().clone().requires_grad_()
+    (through_embedding,) = torch.autograd.grad(
+        F.linear(F.embedding(idx, w), w.detach()), w, grad_out
+    )
+    (through_head,) = torch.autograd.grad(F.linear(F.embedding(idx, w.detach()), w), w, grad_out)
+    grad = model.emb.weight.grad
+    assert grad is not None
+    expected = through_embedding + through_head
+    assert grad.shape == expected.shape
+    assert grad.dtype == expected.dtype
+    if not case.is_meta:
+        torch.testing.assert_close(grad, expected)
+
+
+# Each transformation returns a new model (or the same one changed) and the weight values
+# it should hold, computed without TiedLinear.
+def _deepcopy(
+    model: TiedPair, case: LinearCase, ref: torch.Tensor
+) -> tuple[TiedPair, torch.Tensor]:
+    return copy.deepcopy(model), ref
+
+
+def _pickle(model: TiedPair, case: LinearCase, ref: torch.Tensor) -> tuple[TiedPair, torch.Tensor]:
+    return pickle.loads(pickle.dumps(model)), ref
+
+
+def _to_dtype(
+    model: TiedPair, case: LinearCase, ref: torch.Tensor
+) -> tuple[TiedPair, torch.Tensor]:
+    target = torch.float64 if model.emb.weight.dtype != torch.float64 else torch.float32
+    return model.to(dtype=target), ref.to(target)
+
+
+def _fresh(model: TiedPair, device: str | torch.device) -> TiedPair:
+    weight = model.emb.weight
+    return TiedPair(*weight.shape, dtype=weight.dtype, device=device)
+
+
+def _meta_to_empty(
+    model: TiedPair, case: LinearCase, ref: torch.Tensor
+) -> tuple[TiedPair, torch.Tensor]:
+    fresh = _fresh(model, "meta").to_empty(device=case.device)
+    with torch.no_grad():
+        fresh.emb.weight.copy_(model.emb.weight)
+    return fresh, ref
+
+
+def _load_copy(
+    model: TiedPair, case: LinearCase, ref: torch.Tensor
+) -> tuple[TiedPair, torch.Tensor]:
+    fresh = _fresh(model, case.device)
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    return fresh, ref
+
+
+def _load_assign(
+    model: TiedPair, case: LinearCase, ref: torch.Tensor
+) -> tuple[TiedPair, torch.Tensor]:
+    fresh = _fresh(model, "meta")
+    fresh.load_state_dict(model.state_dict(), strict=True, assign=True)
+    return fresh, ref
+
+
+def _replace_weight(
+    model: TiedPair, case: LinearCase, ref: torch.Tensor
+) -> tuple[TiedPair, torch.Tensor]:
+    ref = ref + 0.5
+    model.emb.weight = nn.Parameter(ref.to(model.emb.weight.device))
+    return model, ref
+
+
+TRANSFORMS = {
+    f.__name__.lstrip("_"): f
+    for f in (
+        _deepcopy,
+        _pickle,
+        _to_dtype,
+        _meta_to_empty,
+        _load_copy,
+        _load_assign,
+        _replace_weight,
+    )
+}
+
+
+@given(
+    case=linear_cases(min_out=1, float_only=True),
+    steps=st.lists(st.sampled_from(sorted(TRANSFORMS)), min_size=1, max_size=6),
+)
+def test_invariants_survive_any_sequence_of_transformations(
+    case: LinearCase, steps: list[str]
+) -> None:
+    model = TiedPair(case.out_features, case.in_features, dtype=case.dtype, device=case.device)
+    ref = make_tensor((case.out_features, case.in_features), case, offset=1).detach()
+    with torch.no_grad():
+        model.emb.weight.copy_(ref)
+    ref = ref.cpu() if not case.is_meta else ref
+
+    for step in steps:
+        model, ref = TRANSFORMS[step](model, case, ref)
+
+        weight = model.emb.weight
+        assert [p for p in model.parameters()] == [weight]
+        assert list(model.state_dict()) == ["emb.weight"]
+        assert model.head.tied_module is model.emb
+        assert model.head.weight is weight
+        x = make_tensor(case.x_shape, case).to(weight.dtype)
+        assert_same(model.head(x), F.linear(x, weight))
+        if not case.is_meta:
+            assert torch.equal(weight.detach().cpu(), ref)
+
+
+@pytest.mark.parametrize("kind", ["embedding", "linear"])
+def test_laws_hold_for_a_fixed_example(kind: str) -> None:
+    # A fixed, hand-checked instance of the laws above, so a broken strategy cannot hide them.
+    case = LinearCase("cpu", torch.float64, (2,), 2, 3, seed=0)
+    tied = build_tied_module(case, kind)
+    with torch.no_grad():
+        tied.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
+    x = torch.tensor([[2.0, 3.0], [-1.0, 4.0]], dtype=torch.float64)
+    expected = torch.tensor([[2.0, 3.0, 5.0], [-1.0, 4.0, 3.0]], dtype=torch.float64)
+    assert torch.equal(TiedLinear(tied)(x), expected)
