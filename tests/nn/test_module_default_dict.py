@@ -280,6 +280,14 @@ def test_keys_that_cannot_be_entries_are_reported_not_created() -> None:
     assert "training" not in fresh.inner.heads._modules
 
 
+def test_a_key_naming_a_tensor_of_the_dict_itself_creates_no_entry() -> None:
+    fresh = _MultiTask(Lin)
+    state = {**_MultiTask(Lin).state_dict(), "inner.heads.stray": torch.zeros(2)}
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*inner\.heads\.stray"):
+        fresh.load_state_dict(state, strict=True)
+    assert len(fresh.inner.heads) == 0
+
+
 def test_loading_with_assign_creates_entries_too() -> None:
     trained = _MultiTask(Lin)
     trained.inner.heads["a"]
