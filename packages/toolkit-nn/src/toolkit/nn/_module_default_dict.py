@@ -77,8 +77,8 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
 
         def __setitem__(self, key: str, module: ModuleT) -> None: ...  # type: ignore[override]
         def __iter__(self) -> Iterator[str]: ...
-        def values(self) -> ValuesView[ModuleT]: ...  # type: ignore[override]
-        def items(self) -> ItemsView[str, ModuleT]: ...  # type: ignore[override]
+        def values(self) -> ValuesView[ModuleT]: ...
+        def items(self) -> ItemsView[str, ModuleT]: ...
 
     def __init__(
         self,
@@ -117,7 +117,7 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         if name == "default_factory":
             object.__setattr__(self, name, value)
         else:
-            super().__setattr__(name, value)
+            super().__setattr__(name, value)  # type: ignore[arg-type]
 
     def __getitem__(self, key: str) -> ModuleT:
         """Retrieve a module by key, creating it if missing.
