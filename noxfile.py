@@ -68,6 +68,7 @@ def typecheck(session: nox.Session, package: str) -> None:
 def tests(session: nox.Session, package: str) -> None:
     """Pytest over ``tests/<id>``; arguments after ``--`` go to pytest."""
     install(session, package, groups=("test",))
+    session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "torchtune-reference"))
     has_paths = any(not arg.startswith("-") for arg in session.posargs)
     paths = [] if has_paths else [f"tests/{package}"]
     session.run("pytest", *paths, *session.posargs)

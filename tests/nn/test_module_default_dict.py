@@ -54,6 +54,13 @@ def test_more_than_one_initial_mapping_is_a_type_error() -> None:
         ModuleDefaultDict(Lin, {"a": Counter()}, {"b": Counter()})  # type: ignore[call-arg]
 
 
+def test_an_initial_value_that_is_not_a_module_is_rejected_as_by_module_dict() -> None:
+    with pytest.raises(TypeError, match="int is not a Module subclass"):
+        ModuleDefaultDict(Lin, a=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="int is not a Module subclass"):
+        nn.ModuleDict({"a": 3})  # type: ignore[dict-item]
+
+
 @pytest.mark.parametrize("bad", [3, "nn.Linear", nn.Linear(2, 2).weight])
 def test_a_factory_that_is_not_callable_is_rejected_at_construction(bad: object) -> None:
     with pytest.raises(TypeError, match="must be callable or None"):

@@ -71,8 +71,14 @@ def test_missing_weight_is_an_attribute_error_naming_the_type() -> None:
 def test_a_weight_that_cannot_work_is_rejected_clearly(
     module: nn.Module, error: type[Exception], match: str
 ) -> None:
+    before = {k: v.clone() for k, v in module.state_dict().items()}
     with pytest.raises(error, match=match):
         TiedLinear(module)
+    after = module.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert not module._forward_hooks
+    assert not module._forward_pre_hooks
 
 
 def test_an_uninitialized_lazy_weight_is_accepted_and_read_once_initialized() -> None:
