@@ -294,7 +294,12 @@ def restore_and_compare(
     out.mkdir(parents=True, exist_ok=True)
     weights, config_file = out / "model.safetensors", out / "config.json"
     # One key per tensor and no shared storage: the tied head adds nothing to the state dict.
-    save_file(model.state_dict(), weights)
+    try:
+        save_file(model.state_dict(), weights)
+    except ModuleNotFoundError as error:  # safetensors.torch saves through numpy
+        raise CheckFailedError(
+            f"safetensors could not save: {error}; install safetensors[torch], which brings numpy"
+        ) from error
     config_file.write_text(json.dumps(dataclasses.asdict(config)), encoding="utf-8")
     print(
         f"saved {len(model.state_dict())} tensors to {weights} ({weights.stat().st_size:,} bytes)"
