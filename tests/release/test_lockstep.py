@@ -65,7 +65,9 @@ def add_package(root: Path, pyproject: str) -> Path:
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def test_the_repository_is_in_lockstep() -> None:
@@ -107,7 +109,9 @@ def test_a_changelog_whose_newest_release_is_older_is_reported(repo: Path) -> No
 
 def test_a_changelog_with_a_newer_release_is_reported(repo: Path) -> None:
     new = later(release(repo))
-    edit(repo / "CHANGELOG.md", "## [Unreleased]\n", f"## [Unreleased]\n\n## [{new}] - 2027-01-01\n")
+    edit(
+        repo / "CHANGELOG.md", "## [Unreleased]\n", f"## [Unreleased]\n\n## [{new}] - 2027-01-01\n"
+    )
     (problem,) = lockstep.check(repo)
     assert problem.startswith(f"CHANGELOG.md: the newest release heading is {new}")
 
