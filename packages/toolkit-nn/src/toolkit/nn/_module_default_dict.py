@@ -60,7 +60,7 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
 
     Added in version v3.58.0.
 
-    Example:
+    Examples:
         >>> import functools
         >>> from torch import nn
         >>> from toolkit.nn import ModuleDefaultDict
