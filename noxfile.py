@@ -5,6 +5,8 @@ parametrized by its id, the folder name without the ``toolkit-`` prefix (``nn`` 
 ``packages/toolkit-nn``, imported as ``toolkit.nn`` and tested in ``tests/nn``).
 
 Every session installs with pip into a fresh venv and pins torch through ``constraints.txt``.
+The release version is the one line of ``VERSION``; ``lockstep`` checks that every package, the
+CHANGELOG and the docs agree with it, and ``bump`` moves them all.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ PACKAGES = sorted(
 nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "typecheck", "tests", "example"]
+nox.options.sessions = ["lint", "typecheck", "tests", "example", "docs", "build", "lockstep"]
 
 
 def package_dir(package: str) -> str:
@@ -79,3 +81,42 @@ def example(session: nox.Session) -> None:
     """Train the tiny tied language model of ``examples/`` on the CPU."""
     install(session, *PACKAGES, groups=("example",))
     session.run("python", "examples/tiny_lm.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the site with ``--strict`` and run every example of the docs and docstrings.
+
+    ``nox -s docs -- serve`` serves the site at http://127.0.0.1:8000 instead, rebuilding on
+    every change.
+    """
+    install(session, *PACKAGES, groups=("docs",))
+    env = {"NO_MKDOCS_2_WARNING": "1"}
+    if session.posargs == ["serve"]:
+        session.run("mkdocs", "serve", "--strict", env=env)
+        return
+    session.run("mkdocs", "build", "--strict", env=env)
+    session.run("pytest", "tests/docs", *session.posargs, env=env)
+
+
+@nox.session(python=PYTHON)
+def build(session: nox.Session) -> None:
+    """Build, check, install and import the sdist and wheel of every package (into dist/)."""
+    session.install(*nox.project.dependency_groups(PYPROJECT, "build"))
+    session.run("python", "scripts/check_dists.py", "--constraints", CONSTRAINTS[1])
+
+
+@nox.session(python=PYTHON)
+def lockstep(session: nox.Session) -> None:
+    """Check that every package, CHANGELOG.md and the docs agree with ``VERSION``."""
+    session.install(*nox.project.dependency_groups(PYPROJECT, "lockstep"))
+    session.run("pytest", "tests/release", *session.posargs)
+    session.run("python", "scripts/lockstep.py", "check")
+
+
+@nox.session(python=PYTHON)
+def bump(session: nox.Session) -> None:
+    """Move ``VERSION`` and every package to a new release: ``nox -s bump -- X.Y.Z``."""
+    if len(session.posargs) != 1:
+        session.error("give the new version: nox -s bump -- X.Y.Z")
+    session.run("python", "scripts/lockstep.py", "bump", *session.posargs)

@@ -16,19 +16,19 @@ _T = TypeVar("_T")
 class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
     """Holds submodules in a dictionary and calls a factory function to supply missing values.
 
-    It is to :class:`torch.nn.ModuleDict` what :class:`collections.defaultdict` is to
-    :class:`dict`: reading a missing key with ``d[key]`` calls ``default_factory()``,
+    It is to ``torch.nn.ModuleDict`` what ``collections.defaultdict`` is to
+    ``dict``: reading a missing key with ``d[key]`` calls ``default_factory()``,
     registers the result as a submodule under ``key`` and returns it. Per-task heads and
     per-language adapters are the usual use: the set of keys is open, and each entry must be
     a registered submodule so that ``parameters()``, ``state_dict()`` and ``.to()`` see it.
 
     Only ``d[key]`` creates entries. ``in``, ``len``, iteration, ``keys()``, ``values()``,
     ``items()``, ``get()`` and ``pop()`` never call the factory. With
-    ``default_factory=None`` it behaves exactly like :class:`torch.nn.ModuleDict`.
+    ``default_factory=None`` it behaves exactly like ``torch.nn.ModuleDict``.
 
     A missing key is checked before the factory runs: it must be a non-empty ``str`` without
     ``"."`` that is not already an attribute of the dict (such as ``"training"`` or
-    ``"forward"``). The factory must return an :class:`torch.nn.Module`. When a check fails
+    ``"forward"``). The factory must return a ``torch.nn.Module``. When a check fails
     the call raises and the dict is left exactly as it was.
 
     Loading a state dict creates the entries it names through the factory before their
@@ -50,15 +50,17 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         default_factory: A no argument constructor for missing Module items. If None,
             missing items will raise a KeyError.
         *args: At most one initial mapping from names to modules, or iterable of
-            ``(name, module)`` pairs, as :class:`torch.nn.ModuleDict` and
-            :class:`collections.defaultdict` take. Its order is kept.
+            ``(name, module)`` pairs, as ``torch.nn.ModuleDict`` and
+            ``collections.defaultdict`` take. Its order is kept.
         **kwargs: Initial dictionary values, inserted after those of ``*args``.
 
     Raises:
         TypeError: If ``default_factory`` is neither callable nor None, if more than one
             positional mapping is given, or if an initial value is not a Module.
 
-    Example:
+    Added in version v3.58.0.
+
+    Examples:
         >>> import functools
         >>> from torch import nn
         >>> from toolkit.nn import ModuleDefaultDict
@@ -143,7 +145,7 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
     def __missing__(self, key: str) -> ModuleT:
         """Create, register and return the entry for a missing ``key``.
 
-        ``__getitem__`` calls this for a key that is not present, as :class:`dict` does. The
+        ``__getitem__`` calls this for a key that is not present, as ``dict`` does. The
         key is checked before the factory is called, and the factory's result after; on any
         failure nothing is inserted.
 
@@ -177,7 +179,7 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
     def get(self, key: str, default: _T) -> ModuleT | _T: ...
 
     def get(self, key: str, default: object = None) -> object:
-        """Return the module for ``key`` if present, else ``default``, as :meth:`dict.get` does.
+        """Return the module for ``key`` if present, else ``default``, as ``dict.get`` does.
 
         It never calls the factory.
 
@@ -191,7 +193,7 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         return self._modules.get(key, default)
 
     def pop(self, key: str) -> ModuleT:
-        """Remove ``key`` and return its module, as :meth:`torch.nn.ModuleDict.pop` does.
+        """Remove ``key`` and return its module, as ``torch.nn.ModuleDict.pop`` does.
 
         Unlike ``d[key]``, it never calls the factory.
 
@@ -207,9 +209,9 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         return self._modules.pop(key)
 
     def update(self, modules: Mapping[str, ModuleT] | Iterable[tuple[str, ModuleT]]) -> None:  # type: ignore[override]
-        """Insert or overwrite entries, as :meth:`torch.nn.ModuleDict.update` does.
+        """Insert or overwrite entries, as ``torch.nn.ModuleDict.update`` does.
 
-        It raises the same errors as :meth:`torch.nn.ModuleDict.update`, but all or nothing:
+        It raises the same errors as ``torch.nn.ModuleDict.update``, but all or nothing:
         if any pair is rejected, the dict is restored to what it was before the call.
 
         Args:
@@ -225,7 +227,7 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
             raise
 
     def extra_repr(self) -> str:
-        """Show the factory, as the repr of :class:`collections.defaultdict` does."""
+        """Show the factory, as the repr of ``collections.defaultdict`` does."""
         return f"default_factory={self.default_factory!r}"
 
     def _check_new_key(self, key: object) -> None:
