@@ -105,19 +105,7 @@ def test_the_entry_points_are_listed_with_their_summaries(sections: dict[str, st
     )
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "ModuleDefaultDict",
-        pytest.param(
-            "TiedLinear",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="_tied_linear.py's docstring still uses Sphinx roles and 'Example:'",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("name", ["ModuleDefaultDict", "TiedLinear"])
 def test_docstrings_render_as_markdown(name: str, sections: dict[str, str]) -> None:
     """Sphinx roles show up verbatim, and only an "Examples:" section renders as code."""
     assert SPHINX_ROLE.search(sections[name]) is None

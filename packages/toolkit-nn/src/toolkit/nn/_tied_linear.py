@@ -27,11 +27,11 @@ class TiedLinear:
     ``load_state_dict(assign=True)``, ``.to()``, parametrizations and
     ``torch.func.functional_call``.
 
-    TiedLinear intentionally does not subclass :class:`torch.nn.Module`.
+    TiedLinear intentionally does not subclass ``torch.nn.Module``.
     ``Module.__setattr__`` auto-registers any Module-valued attribute as a submodule, which
     would cause ``tied_module`` to be registered twice (once under its original owner, once
     under TiedLinear), duplicating its weight in ``state_dict()`` and ``parameters()``. The
-    actual :func:`torch.nn.functional.linear` call is performed by the ``linear`` attribute,
+    actual ``torch.nn.functional.linear`` call is performed by the ``linear`` attribute,
     a real Module, so forward hooks can still be attached to observe the transform: its
     forward takes ``(x, weight)``.
 
@@ -52,7 +52,7 @@ class TiedLinear:
     Added in version v3.58.0. Native replacement for torchtune's ``TiedLinear``, removing the
     ``torchtune`` dependency.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from toolkit.nn import TiedLinear
