@@ -45,6 +45,7 @@ def run_ranks(
     world_size: int,
     *args: Any,
     timeout: float,
+    grace: float = FAILURE_GRACE,
 ) -> list[Any]:
     """Run ``target(*args)`` on ``world_size`` ranks and return each rank's result, by rank.
 
@@ -53,6 +54,7 @@ def run_ranks(
         world_size: How many ranks to start.
         *args: Picklable arguments, the same for every rank.
         timeout: Seconds after which ranks still running are killed.
+        grace: Seconds the other ranks get to finish once one rank has failed.
 
     Returns:
         The return values of ``target``, indexed by rank.
@@ -113,7 +115,7 @@ def run_ranks(
                     failure_seen = True
                     # The others may wait forever for the rank that failed: give them a
                     # moment to report their own errors, then stop them.
-                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
+                    deadline = min(deadline, time.monotonic() + grace)
                 time.sleep(0.05)
         finally:
             for proc in procs:
