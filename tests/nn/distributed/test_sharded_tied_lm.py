@@ -143,3 +143,16 @@ def test_a_module_default_dict_entry_created_after_ddp_wrapped_is_not_managed(
         same = torch.equal(rank0[key], rank1[key])
         # Entries that existed at wrapping are averaged; the late one trains on local data only.
         assert same == (not key.startswith("adapters.b.")), key
+
+
+def test_a_module_default_dict_entry_created_after_fully_shard_is_not_sharded(
+    worlds: Worlds,
+) -> None:
+    for sharded in per_rank(worlds, 2, "mdd/after_fully_shard"):
+        assert sharded == {"a": True, "b": False}
+
+
+def test_fsdp1_on_a_cpu_only_machine_needs_the_device_named(worlds: Worlds) -> None:
+    # The FSDP1 setups above pass device_id=torch.device("cpu"), as the docs page says.
+    for message in per_rank(worlds, 2, "fsdp1/without_device_id"):
+        assert "FSDP needs a non-CPU accelerator device" in message

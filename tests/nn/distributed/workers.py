@@ -26,13 +26,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.nn.distributed.tiny_lm import (
     LR,
     TASKS,
     Block,
-    ReferenceLM,
     ReferenceTaskLM,
     TaskLM,
     TinyLM,
@@ -293,6 +293,24 @@ def mdd_created_after_wrapping(world_size: int) -> list[dict[str, torch.Tensor]]
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def mdd_created_after_fully_shard() -> dict[str, bool]:
+    """Whether each adapter's weight is sharded when "b" is read only after fully_shard."""
+    model = TaskLM()
+    model.adapters["a"]
+    fully_shard(model)
+    model.adapters["b"]
+    return {task: isinstance(model.adapters[task].weight, DTensor) for task in TASKS}
+
+
+def fsdp1_without_device_id() -> str:
+    """What FSDP1 raises on a CPU-only machine when it is not told the device."""
+    try:
+        FullyShardedDataParallel(TinyLM())
+    except RuntimeError as error:
+        return str(error)
+    raise AssertionError("FSDP1 wrapped a CPU model without device_id")
+
+
 # Entry points: one launch each. -----------------------------------------------------------
 
 
@@ -325,6 +343,8 @@ def main(world_size: int, setups: list[str], checkpoint_dir: str) -> dict[str, A
             }
         )
         checks["mdd/after_wrapping"] = lambda: mdd_created_after_wrapping(world_size)
+        checks["mdd/after_fully_shard"] = mdd_created_after_fully_shard
+        checks["fsdp1/without_device_id"] = fsdp1_without_device_id
     with process_group():
         for name, check in checks.items():
             try:
@@ -335,9 +355,17 @@ def main(world_size: int, setups: list[str], checkpoint_dir: str) -> dict[str, A
     return out
 
 
-def run_source(source: str, filename: str) -> None:
-    """Run a documentation example as a script, as ``torchrun`` would run it."""
-    exec(compile(source, filename, "exec"), {"__name__": "__main__"})
+def run_script(sources: list[tuple[int, str]], filename: str) -> dict[str, object]:
+    """Run a page's code blocks in order in one namespace, as one ``torchrun`` script.
 
-
-__all__ = ["ReferenceLM", "main", "run_source"]
+    Each block is padded to its line on the page, so tracebacks point at the page. Returns the
+    namespace's picklable values, for the tests to inspect.
+    """
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    for line, source in sources:
+        exec(compile("\n" * (line - 1) + source, filename, "exec"), namespace)
+    return {
+        name: value
+        for name, value in namespace.items()
+        if isinstance(value, (str, int, float, list, tuple)) and not name.startswith("__")
+    }
