@@ -147,7 +147,7 @@ def rank_rows(rank: int) -> slice:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy."""
+    """Mean cross entropy over every position."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.fsdp import FlatParameter, FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -210,6 +210,16 @@ def _checkpoint_round_trip(name: str, model: nn.Module, checkpoint_dir: Path) ->
         }
 
 
+def _original_parameter_names(model: nn.Module) -> list[str] | None:
+    """The wrapped model's parameter names without the wrappers' prefixes; None if flattened."""
+    if any(isinstance(p, FlatParameter) for p in model.parameters()):
+        return None
+    names = [n for n, _ in model.named_parameters()]
+    if isinstance(model, DistributedDataParallel):
+        names = [n.removeprefix("module.") for n in names]
+    return [n.replace("_fsdp_wrapped_module.", "") for n in names]
+
+
 def run_setup(name: str, world_size: int, checkpoint_dir: Path) -> dict[str, Any]:
     """Build, train and checkpoint one setup; record what the tests compare."""
     state = initial_state()
@@ -220,6 +230,7 @@ def run_setup(name: str, world_size: int, checkpoint_dir: Path) -> dict[str, Any
         "losses": losses,
         "states": states,
         "parameter_names": [n for n, _ in TinyLM().named_parameters()],
+        "wrapped_parameter_names": _original_parameter_names(model),
         "wrapped_state_keys": list(get_model_state_dict(model, options=FULL)),
         "head_reads_live_weight": inner.out.head.weight is inner.emb.weight,
         "checkpoint": _checkpoint_round_trip(name, model, checkpoint_dir),
