@@ -20,10 +20,14 @@ from tests.nn.distributed.tiny_lm import (
 )
 from tests.nn.distributed.worlds import WORLDS, Worlds
 
-TOL = {"rtol": 1e-5, "atol": 1e-5}
 CASES = [(world, setup) for world, setups in WORLDS.items() for setup in setups]
 IDS = [f"{world}ranks-{setup}" for world, setup in CASES]
 FSDP2_CASES = [(world, setup) for world, setup in CASES if setup.startswith("fsdp2")]
+
+
+def assert_close(actual: Any, expected: Any, msg: str | None = None) -> None:
+    """Equal up to float32 rounding in a different order of operations."""
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=msg)
 
 
 def per_rank(worlds: Worlds, world_size: int, check: str) -> list[Any]:
@@ -38,7 +42,7 @@ def per_rank(worlds: Worlds, world_size: int, check: str) -> list[Any]:
 def assert_states_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert list(actual) == list(expected)
     for key, value in expected.items():
-        torch.testing.assert_close(actual[key], value, **TOL, msg=key)
+        assert_close(actual[key], value, msg=key)
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +56,7 @@ def test_training_matches_the_single_process_reference(
 ) -> None:
     expected = references[world_size]
     for rank, result in enumerate(per_rank(worlds, world_size, f"setup/{setup}")):
-        torch.testing.assert_close(
-            result["losses"], [step[rank] for step in expected["losses"]], **TOL
-        )
+        assert_close(result["losses"], [step[rank] for step in expected["losses"]])
         assert len(result["states"]) == len(expected["states"])
         for actual_state, expected_state in zip(result["states"], expected["states"], strict=True):
             assert_states_close(actual_state, expected_state)
@@ -71,7 +73,7 @@ def test_every_embedding_row_is_updated_through_both_paths(
     for result in per_rank(worlds, world_size, f"setup/{setup}"):
         before, after = (result["states"][i]["emb.weight"] for i in (0, 1))
         update = after - before
-        torch.testing.assert_close(update, lookup + head, **TOL)
+        assert_close(update, lookup + head)
         # Row by row, the update is neither path's alone.
         assert ((update - lookup).abs().amax(dim=1) > 1e-4).all()
         assert ((update - head).abs().amax(dim=1) > 1e-4).all()
@@ -100,7 +102,7 @@ def test_a_distributed_checkpoint_round_trips(worlds: Worlds, world_size: int, s
         # The fresh copy started elsewhere, so the load is what made it equal.
         assert not torch.allclose(checkpoint["before"]["emb.weight"], trained["emb.weight"])
         assert_states_close(checkpoint["after"], trained)
-        torch.testing.assert_close(checkpoint["logits"], checkpoint["trained_logits"], **TOL)
+        assert_close(checkpoint["logits"], checkpoint["trained_logits"])
 
 
 @pytest.mark.parametrize("world_size", list(WORLDS))
@@ -133,9 +135,7 @@ def test_module_default_dict_entries_created_before_wrapping_train_like_the_refe
     expected = reference_training(2, ReferenceTaskLM)
     for rank, result in enumerate(per_rank(worlds, 2, f"mdd/{kind}/{recipe}")):
         assert result["keys_before_wrapping"] == ["a", "b"]
-        torch.testing.assert_close(
-            result["losses"], [step[rank] for step in expected["losses"]], **TOL
-        )
+        assert_close(result["losses"], [step[rank] for step in expected["losses"]])
         assert_states_close(result["states"][-1], expected["states"][-1])
 
 

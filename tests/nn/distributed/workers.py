@@ -283,7 +283,7 @@ def mdd_created_before_wrapping(kind: str, recipe: str, world_size: int) -> dict
     return {"keys_before_wrapping": keys, "losses": losses, "states": states}
 
 
-def mdd_created_after_wrapping(world_size: int) -> list[dict[str, torch.Tensor]]:
+def mdd_created_after_wrapping(world_size: int) -> dict[str, torch.Tensor]:
     """Read adapter "b" only after DDP wrapped the model; return the state after one step."""
     state = initial_state(ReferenceTaskLM)
     b_state = {
