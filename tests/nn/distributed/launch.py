@@ -7,9 +7,10 @@ environment that ``torchrun`` gives its workers (``RANK``, ``WORLD_SIZE``, ``LOC
 
 The rendezvous store is hosted here, in the calling process, on a port the operating system
 picks, and the ranks join it as clients (``TORCHELASTIC_USE_AGENT_STORE``, as ``torchrun``'s agent
-does). No port is guessed, so concurrent runs never collide. Once ``timeout`` seconds have passed,
-every rank still running is killed and :class:`RanksFailedError` reports what each rank
-printed: a hung collective can never stall the test suite.
+does). No port is guessed, so concurrent runs never collide, and gloo is kept on the loopback
+interface. Once ``timeout`` seconds have passed, every rank still running is killed and
+:class:`RanksFailedError` reports what each rank printed: a hung collective can never stall the
+test suite.
 
 Each rank calls ``target(*args)`` and sends back its return value, which must be picklable. If a
 rank raises, the traceback is sent back instead and the whole run raises :class:`RanksFailedError`.
@@ -21,6 +22,7 @@ import datetime
 import importlib
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import tempfile
@@ -88,6 +90,10 @@ def run_ranks(
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "OMP_NUM_THREADS": "1",
         }
+        loopback = _loopback_interface()
+        if loopback is not None and "GLOO_SOCKET_IFNAME" not in env:
+            # Every rank is local: keep gloo off interfaces that the host name may resolve to.
+            env["GLOO_SOCKET_IFNAME"] = loopback
         procs = []
         logs = []
         for rank in range(world_size):
@@ -127,6 +133,15 @@ def run_ranks(
                 log.close()
             del store
         return _collect(workdir, procs, timeout, timed_out=timed_out)
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback network interface, such as ``lo`` or ``lo0``, if known."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((name for name in names if name in {"lo", "lo0"}), None)
 
 
 def _failed(workdir: Path, rank: int, proc: subprocess.Popen[bytes]) -> bool:
