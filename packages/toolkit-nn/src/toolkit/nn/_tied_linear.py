@@ -25,7 +25,9 @@ class TiedLinear:
     backing a weight but not the Module object that owns it. The same live read honours a
     new Parameter assigned to ``tied_module``, ``to_empty`` after meta-device init,
     ``load_state_dict(assign=True)``, ``.to()``, parametrizations and
-    ``torch.func.functional_call``.
+    ``torch.func.functional_call``. Under FSDP2 the weight must be unsharded when TiedLinear
+    reads it: if ``tied_module`` is its own ``fully_shard`` unit that reshards after its
+    forward, the call raises a RuntimeError naming the module and the ways to regroup it.
 
     TiedLinear intentionally does not subclass ``torch.nn.Module``.
     ``Module.__setattr__`` auto-registers any Module-valued attribute as a submodule, which
@@ -152,6 +154,8 @@ def _explain_failure(tl: TiedLinear, x: object, weight: object) -> Exception | N
     owner = type(tl.tied_module).__name__
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return None
+    if _is_dtensor(weight) and not _is_dtensor(x):
+        return _sharded_weight_error(tl, weight)
     if weight.dim() == 2 and (x.dim() == 0 or x.shape[-1] != weight.shape[1]):
         return RuntimeError(
             f"TiedLinear input has shape {tuple(x.shape)}, but {owner}.weight has shape "
@@ -159,3 +163,30 @@ def _explain_failure(tl: TiedLinear, x: object, weight: object) -> Exception | N
             f"in_features={weight.shape[1]}; reshape the input or tie to the right module"
         )
     return None
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor, importing DTensor only where distributed is built in."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only once a call failed
+
+    return isinstance(tensor, DTensor)
+
+
+def _sharded_weight_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
+    """The error for a weight that FSDP2 has sharded again before TiedLinear reads it."""
+    module = tl.tied_module
+    tied = f"{type(module).__name__}({module.extra_repr()})"
+    placements = getattr(weight, "placements", ())
+    return RuntimeError(
+        f"TiedLinear cannot use the weight of the tied module {tied}: that weight is sharded "
+        f"(a DTensor with placements {tuple(placements)}) when TiedLinear reads it, and the "
+        "input is a plain tensor. This happens when the FSDP2 unit (fully_shard) holding the "
+        "tied module reshards its parameters after a forward that ends before TiedLinear "
+        "runs: the tied module is its own unit, or is grouped only with modules that do not "
+        "call TiedLinear. Keep the tied module in the unit whose forward calls TiedLinear, "
+        "group it with the module that calls TiedLinear in one unit "
+        "(fully_shard([tied_module, caller])), or keep its weight unsharded after forward "
+        "with fully_shard(tied_module, reshard_after_forward=False)."
+    )

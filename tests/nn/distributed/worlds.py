@@ -1,0 +1,53 @@
+"""The multi-rank runs, each launched once and shared by the tests that read their results.
+
+Starting ranks and importing torch in them costs far more than training the tiny model, so
+one launch per world size runs every setup one after another (see ``workers.main``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.nn.distributed import workers
+from tests.nn.distributed.launch import RanksFailedError, run_ranks
+
+# The hard bound on one launch. A normal two-rank run takes about 15 s on two cores; a
+# collective that hangs fails after workers.COLLECTIVE_TIMEOUT, and anything still running at
+# the bound is killed, so no hang can stall the suite.
+TIMEOUT = 150.0
+
+# The setups each world size runs. Three ranks on two cores are slower: they run the
+# setups whose sharding differs most from the two-rank one.
+WORLDS = {
+    2: list(workers.SETUPS),
+    3: ["fsdp2_blocks", "fsdp2_grouped", "fsdp1_flat_params"],
+}
+
+
+class Worlds:
+    """Launches each world size the first time a test asks for it, then keeps its results."""
+
+    def __init__(self, checkpoint_root: Path) -> None:
+        self._root = checkpoint_root
+        self._results: dict[int, list[dict[str, Any]] | RanksFailedError] = {}
+
+    def __getitem__(self, world_size: int) -> list[dict[str, Any]]:
+        """``worlds[n][rank][check]``: what each check returned on each rank of an n-rank run."""
+        if world_size not in self._results:
+            checkpoints = self._root / f"dcp-{world_size}"
+            try:
+                self._results[world_size] = run_ranks(
+                    workers.main,
+                    world_size,
+                    world_size,
+                    WORLDS[world_size],
+                    str(checkpoints),
+                    timeout=TIMEOUT,
+                )
+            except RanksFailedError as error:
+                self._results[world_size] = error  # fail every test of it without relaunching
+        result = self._results[world_size]
+        if isinstance(result, RanksFailedError):
+            raise result
+        return result
