@@ -96,8 +96,9 @@ class TiedLinear:
             first dimension of tied_module.weight.
 
         Raises:
-            RuntimeError: If ``x`` cannot be multiplied by the weight; the message gives
-                both shapes.
+            RuntimeError: If ``x`` cannot be multiplied by the weight, the message gives
+                both shapes; if the weight is a sharded DTensor (FSDP2 resharded it before
+                the call), it says how to regroup the units.
         """
         weight = self.tied_module.weight
         try:
