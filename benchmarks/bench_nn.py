@@ -19,6 +19,7 @@ import gc
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import statistics
@@ -68,11 +69,11 @@ class Settings:
                 dict_blocks=41,
             )
         return cls(
-            small_blocks=151,
+            small_blocks=201,
             block_seconds=0.02,
-            lm_head_blocks=7,
-            compile_blocks=61,
-            dict_blocks=151,
+            lm_head_blocks=5,
+            compile_blocks=41,
+            dict_blocks=201,
         )
 
 
@@ -90,24 +91,29 @@ class Ratio:
     median: float
     q1: float
     q3: float
+    ci_low: float
+    ci_high: float
     blocks: int
     subject_seconds: float
     baseline_seconds: float
     target: float | None = None
     verdict: str = ""
+    per_block: list[float] = field(default_factory=list)
 
     def judge(self) -> Ratio:
-        """Set ``verdict`` from the target: met, missed, or within the spread of the target."""
+        """Set ``verdict`` by where the 95% confidence interval of the median lies.
+
+        ``met`` when it lies at or below the target, ``MISSED`` when above, and ``noise``
+        when it contains the target: the blocks cannot tell either way.
+        """
         if self.target is None:
             self.verdict = ""
-        elif self.q3 <= self.target:
+        elif self.ci_high <= self.target:
             self.verdict = "met"
-        elif self.q1 > self.target:
+        elif self.ci_low > self.target:
             self.verdict = "MISSED"
-        elif self.median <= self.target:
-            self.verdict = "met (IQR straddles)"
         else:
-            self.verdict = "MISSED (IQR straddles)"
+            self.verdict = "noise: CI contains the target"
         return self
 
 
@@ -132,6 +138,21 @@ def _quartiles(values: Sequence[float]) -> tuple[float, float, float]:
     return q1, median, q3
 
 
+def _median_ci(values: Sequence[float]) -> tuple[float, float]:
+    """A distribution-free 95% confidence interval of the median, from order statistics.
+
+    With ``n`` values, the median lies between the ``(n - 1.96 sqrt(n)) / 2``-th and the
+    ``(n + 1.96 sqrt(n)) / 2``-th smallest with about 95% confidence (normal approximation of
+    the binomial). With few blocks it is the whole range.
+    """
+    ordered = sorted(values)
+    n = len(ordered)
+    half_width = 1.96 * math.sqrt(n) / 2
+    low = max(0, math.floor(n / 2 - half_width) - 1)
+    high = min(n - 1, math.ceil(n / 2 + half_width))
+    return ordered[low], ordered[high]
+
+
 def interleave(
     candidates: dict[str, Callable[[int], float]],
     *,
@@ -146,8 +167,8 @@ def interleave(
             elapsed seconds.
         blocks: How many blocks to time.
         number: Calls per candidate per block. By default it is calibrated so that a block
-            of the fastest candidate lasts about ``block_seconds``; when given, each
-            candidate is warmed up with one call instead.
+            of the fastest candidate lasts about ``block_seconds``, which also warms every
+            candidate up; when given, the caller has warmed them up.
         block_seconds: The length of a calibrated block.
 
     Returns:
@@ -156,9 +177,6 @@ def interleave(
     names = list(candidates)
     if number is None:
         number = min(_calibrate(run, block_seconds) for run in candidates.values())
-    else:
-        for run in candidates.values():
-            run(1)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for block in range(blocks):
         shift = block % len(names)
@@ -199,6 +217,7 @@ def ratios_against(
             continue
         per_block = [s / b for s, b in zip(samples[subject], times, strict=True)]
         q1, median, q3 = _quartiles(per_block)
+        ci_low, ci_high = _median_ci(per_block)
         rows.append(
             Ratio(
                 section=section,
@@ -208,10 +227,13 @@ def ratios_against(
                 median=median,
                 q1=q1,
                 q3=q3,
+                ci_low=ci_low,
+                ci_high=ci_high,
                 blocks=len(per_block),
                 subject_seconds=statistics.median(samples[subject]),
                 baseline_seconds=statistics.median(times),
                 target=(targets or {}).get(baseline),
+                per_block=per_block,
             ).judge()
         )
     return rows
@@ -289,10 +311,12 @@ def bench_linear(
     x = torch.randn(tokens, in_features, requires_grad=True)
     grad = torch.ones(tokens, out_features)
     reference = F.linear(x, weight)
-    for name, candidate in candidates.items():
-        if not torch.equal(candidate(x), reference):
+    for name, candidate in candidates.items():  # also the warm-up of every candidate
+        out = candidate(x)
+        if not torch.equal(out, reference):
             raise AssertionError(f"{name} does not compute F.linear(x, weight)")
-    del reference
+        out.backward(grad)
+    del reference, out
     namespace = {
         "x": x,
         "w": weight,
@@ -613,13 +637,16 @@ def _seconds(value: float) -> str:
 
 def format_table(report: Report) -> str:
     """The report as Markdown tables."""
-    lines = ["| comparison | case | ratio (median) | IQR | times | target | verdict |"]
-    lines.append("|---|---|---|---|---|---|---|")
+    lines = [
+        "| comparison | case | ratio (median) | 95% CI | IQR | median times | target | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in report.ratios:
         target = f"<= {r.target:.2f}x" if r.target is not None else ""
         lines.append(
             f"| {r.subject} / {r.baseline} | {r.case} | {r.median:.3f}x | "
-            f"{r.q1:.3f}-{r.q3:.3f} | {_seconds(r.subject_seconds)} vs "
+            f"{r.ci_low:.3f}-{r.ci_high:.3f} | {r.q1:.3f}-{r.q3:.3f} | "
+            f"{_seconds(r.subject_seconds)} vs "
             f"{_seconds(r.baseline_seconds)} ({r.blocks} blocks) | {target} | {r.verdict} |"
         )
     if report.notes:
@@ -713,53 +740,74 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(torchtune_note, flush=True)
 
     overhead_targets = {"nn.Linear shared": 1.00, "torchtune TiedLinear": 1.00}
+    runs: dict[str, tuple[str, int, Callable[[], None]]] = {
+        "linear": (
+            "TiedLinear, overhead-bound shape",
+            args.small_threads,
+            lambda: bench_linear(
+                report,
+                case="1 token, 8 -> 16",
+                tokens=1,
+                in_features=8,
+                out_features=16,
+                blocks=settings.small_blocks,
+                number=None,
+                block_seconds=settings.block_seconds,
+                targets=overhead_targets,
+                torchtune_cls=torchtune_cls,
+            ),
+        ),
+        "lm-head": (
+            "TiedLinear, LM-head shape (about 67 GFLOP per forward)",
+            args.threads,
+            lambda: bench_linear(
+                report,
+                case="4096 tokens, 512 -> 32000",
+                tokens=4096,
+                in_features=512,
+                out_features=32000,
+                blocks=settings.lm_head_blocks,
+                number=1,
+                block_seconds=0.0,
+                targets={"F.linear": 1.02},
+                torchtune_cls=torchtune_cls,
+            ),
+        ),
+        "compile": (
+            f"torch.compile ({args.backend})",
+            args.small_threads,
+            lambda: bench_compile(
+                report,
+                blocks=settings.compile_blocks,
+                block_seconds=10 * settings.block_seconds,
+                backend=args.backend,
+            ),
+        ),
+        "memory": (
+            "memory",
+            args.small_threads,
+            lambda: bench_memory(report, vocab=32000, dim=512),
+        ),
+        "dict": (
+            "ModuleDefaultDict",
+            args.small_threads,
+            lambda: bench_dict(
+                report, blocks=settings.dict_blocks, block_seconds=settings.block_seconds
+            ),
+        ),
+    }
     started = time.perf_counter()
-    if "linear" in sections:
-        print("TiedLinear, overhead-bound shape ...", flush=True)
-        torch.set_num_threads(args.small_threads)
-        bench_linear(
-            report,
-            case="1 token, 8 -> 16",
-            tokens=1,
-            in_features=8,
-            out_features=16,
-            blocks=settings.small_blocks,
-            number=None,
-            block_seconds=settings.block_seconds,
-            targets=overhead_targets,
-            torchtune_cls=torchtune_cls,
-        )
-    if "lm-head" in sections:
-        print("TiedLinear, LM-head shape (slow: about 67 GFLOP per forward) ...", flush=True)
-        torch.set_num_threads(args.threads)
-        bench_linear(
-            report,
-            case="4096 tokens, 512 -> 32000",
-            tokens=4096,
-            in_features=512,
-            out_features=32000,
-            blocks=settings.lm_head_blocks,
-            number=1,
-            block_seconds=0.0,
-            targets={"F.linear": 1.02},
-            torchtune_cls=torchtune_cls,
-        )
-    if "compile" in sections:
-        print(f"torch.compile ({args.backend}) ...", flush=True)
-        torch.set_num_threads(args.small_threads)
-        bench_compile(
-            report,
-            blocks=settings.compile_blocks,
-            block_seconds=10 * settings.block_seconds,
-            backend=args.backend,
-        )
-    if "memory" in sections:
-        print("memory ...", flush=True)
-        bench_memory(report, vocab=32000, dim=512)
-    if "dict" in sections:
-        print("ModuleDefaultDict ...", flush=True)
-        torch.set_num_threads(args.small_threads)
-        bench_dict(report, blocks=settings.dict_blocks, block_seconds=settings.block_seconds)
+    section_seconds = {}
+    for section, (title, threads, run) in runs.items():
+        if section not in sections:
+            continue
+        print(f"{title} ...", end=" ", flush=True)
+        torch.set_num_threads(threads)
+        section_start = time.perf_counter()
+        run()
+        section_seconds[section] = round(time.perf_counter() - section_start, 1)
+        print(f"{section_seconds[section]} s", flush=True)
+    report.environment["section_seconds"] = section_seconds
     report.environment["seconds"] = round(time.perf_counter() - started, 1)
     report.notes += overhead_notes(report.ratios)
 
