@@ -2,9 +2,10 @@
 
 Every timing comparison runs in this one process. The candidates are interleaved: each block
 times every candidate once, in an order rotated from block to block, and the reported number
-is the median over blocks of the per-block ratio, with its interquartile range. A shared,
-noisy machine slows all candidates of a block alike, so the ratios stay meaningful where
-absolute times do not.
+is the median over blocks of the per-block ratio, with a 95% confidence interval of that
+median and the interquartile range of the ratios. A shared, noisy machine slows all
+candidates of a block alike, so the ratios stay meaningful where absolute times do not. A
+target is met when the whole confidence interval lies at or below it.
 
 Run it with ``nox -s bench`` (``nox -s bench -- --quick`` for a shorter run), or directly
 with ``python benchmarks/bench_nn.py`` where toolkit-nn, safetensors and (optionally)
