@@ -651,7 +651,7 @@ def format_table(report: Report) -> str:
             f"{_seconds(r.baseline_seconds)} ({r.blocks} blocks) | {target} | {r.verdict} |"
         )
     if report.notes:
-        lines += ["", *report.notes]
+        lines += ["", *(f"- {note}" for note in report.notes)]
     if report.compile:
         c = report.compile
         lines += [
