@@ -316,7 +316,7 @@ def bench_linear(
         out = candidate(x)
         if not torch.equal(out, reference):
             raise AssertionError(f"{name} does not compute F.linear(x, weight)")
-        out.backward(grad)
+        out.backward(grad)  # type: ignore[no-untyped-call]
     del reference, out
     namespace = {
         "x": x,
@@ -425,7 +425,7 @@ def bench_compile(report: Report, *, blocks: int, block_seconds: float, backend:
 
         def step(compiled: Callable[..., torch.Tensor] = compiled) -> None:
             loss = F.cross_entropy(compiled(idx).flatten(0, 1), targets)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
 
         step()  # compile forward and backward now, outside the timing
         logits.append(compiled(idx).detach())
