@@ -77,6 +77,19 @@ def tests(session: nox.Session, package: str) -> None:
 
 
 @nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmark toolkit-nn against the alternatives; not part of the default sessions.
+
+    torchtune is installed without its dependencies, and only its ``tied_linear.py`` is
+    loaded: the package itself no longer imports beside current torchao. Arguments after
+    ``--`` go to ``benchmarks/bench_nn.py``: ``--quick``, ``--json PATH``, ``--only SECTION``.
+    """
+    install(session, "nn", groups=("bench",))
+    session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "torchtune-reference"))
+    session.run("python", "benchmarks/bench_nn.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def example(session: nox.Session) -> None:
     """Train the tiny tied language model of ``examples/`` on the CPU."""
     install(session, *PACKAGES, groups=("example",))
