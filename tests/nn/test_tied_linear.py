@@ -81,6 +81,14 @@ def test_a_weight_that_cannot_work_is_rejected_clearly(
     assert not module._forward_pre_hooks
 
 
+@pytest.mark.parametrize("not_a_module", [nn.Embedding(7, 3).weight, object()])
+def test_something_that_is_not_a_module_is_a_type_error(not_a_module: object) -> None:
+    with pytest.raises(
+        TypeError, match=r"ties to an nn\.Module, got (Parameter|object).*not the weight"
+    ):
+        TiedLinear(not_a_module)  # type: ignore[arg-type]
+
+
 def test_an_uninitialized_lazy_weight_is_accepted_and_read_once_initialized() -> None:
     lazy = nn.LazyLinear(5, bias=False)
     head = TiedLinear(lazy)

@@ -47,7 +47,7 @@ class TiedLinear:
 
     Raises:
         AttributeError: If ``tied_module`` does not have a ``weight`` attribute.
-        TypeError: If ``tied_module.weight`` is not a tensor.
+        TypeError: If ``tied_module`` is not a Module, or its ``weight`` is not a tensor.
         ValueError: If ``tied_module.weight`` is not 2-D. An uninitialized lazy parameter is
             accepted; its shape is checked when it is used.
 
@@ -72,6 +72,11 @@ class TiedLinear:
     linear: nn.Module
 
     def __init__(self, tied_module: nn.Module) -> None:
+        if not isinstance(tied_module, nn.Module):
+            raise TypeError(
+                f"TiedLinear ties to an nn.Module, got {type(tied_module).__name__}; pass the "
+                "module that owns the weight (such as the nn.Embedding), not the weight itself"
+            )
         try:
             weight = tied_module.weight
         except AttributeError:
