@@ -107,6 +107,7 @@ def test_without_a_factory_a_miss_is_a_key_error_like_a_dict() -> None:
     with pytest.raises(KeyError) as info:
         d["missing"]
     assert info.value.args == ("missing",)
+    assert info.value.__context__ is None  # not chained to an internal lookup
     assert len(d) == 0
 
 
@@ -169,6 +170,16 @@ def test_a_factory_returning_a_non_module_is_a_type_error_naming_both(result: ob
         d["b"]
     assert snapshot(d) == before
     assert "b" not in d
+
+
+def test_errors_on_a_miss_are_not_chained_to_the_lookup() -> None:
+    d = ModuleDefaultDict(lambda: None)  # type: ignore[arg-type, return-value]
+    with pytest.raises(TypeError) as info:
+        d["b"]
+    assert info.value.__context__ is None
+    with pytest.raises(KeyError) as key_info:
+        d["a.b"]
+    assert key_info.value.__context__ is None
 
 
 def test_a_factory_that_raises_leaves_nothing_behind() -> None:
@@ -295,6 +306,16 @@ def test_a_key_naming_a_tensor_of_the_dict_itself_creates_no_entry() -> None:
     assert len(fresh.inner.heads) == 0
 
 
+def test_a_load_that_fails_part_way_keeps_the_entries_it_created() -> None:
+    # As documented: like load_state_dict itself, a failed load is not rolled back.
+    trained = _MultiTask(functools.partial(nn.Linear, 2, 3))
+    trained.inner.heads["h"]
+    fresh = _MultiTask(Lin)
+    with pytest.raises(RuntimeError, match=r"size mismatch for inner\.heads\.h\.weight"):
+        fresh.load_state_dict(trained.state_dict(), strict=True)
+    assert list(fresh.inner.heads) == ["h"]
+
+
 def test_loading_with_assign_creates_entries_too() -> None:
     trained = _MultiTask(Lin)
     trained.inner.heads["a"]
@@ -366,8 +387,8 @@ def _outcome(action: Callable[[nn.ModuleDict], object], d: nn.ModuleDict) -> tup
     try:
         result = action(d)
     except Exception as error:  # the outcome being compared is the error
-        return ("raised", type(error), str(error), list(d))
-    return ("returned", type(result), list(d))
+        return ("raised", type(error), str(error), list(d.items()))
+    return ("returned", type(result), list(d.items()))
 
 
 A, B, C = Counter(), Counter(), Counter()
@@ -378,6 +399,7 @@ DROP_IN_ACTIONS: dict[str, Callable[[nn.ModuleDict], object]] = {
     "update-bad-pair": lambda d: d.update([("x", A), ("y",)]),  # type: ignore[list-item]
     "update-bad-value": lambda d: d.update({"x": A, "y": 3}),  # type: ignore[dict-item]
     "update-bad-key": lambda d: d.update({"x": A, "y.z": B}),
+    "update-overwrite-then-bad-key": lambda d: d.update({"first": B, "y.z": C}),
     "setitem-bad-key": lambda d: d.__setitem__("training", A),
     "setitem-not-module": lambda d: d.__setitem__("k", 3),  # type: ignore[arg-type]
     "getitem-missing": lambda d: d["missing"],
@@ -398,7 +420,7 @@ def test_without_a_factory_it_behaves_like_module_dict(name: str) -> None:
     if name.startswith("update-") and expected[0] == "raised":
         # Same error, but ours is all or nothing where ModuleDict may stop half way.
         assert ours[:3] == expected[:3]
-        assert ours[3] == ["first"]
+        assert ours[3] == [("first", A)]
     else:
         assert ours == expected
 

@@ -24,7 +24,8 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
 
     Only ``d[key]`` creates entries. ``in``, ``len``, iteration, ``keys()``, ``values()``,
     ``items()``, ``get()`` and ``pop()`` never call the factory. With
-    ``default_factory=None`` it behaves exactly like ``torch.nn.ModuleDict``.
+    ``default_factory=None`` it is a drop-in ``torch.nn.ModuleDict``: the same entries, order
+    and errors, with ``get()`` added and ``update()`` made all or nothing.
 
     A missing key is checked before the factory runs: it must be a non-empty ``str`` without
     ``"."`` that is not already an attribute of the dict (such as ``"training"`` or
@@ -33,7 +34,9 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
 
     Loading a state dict creates the entries it names through the factory before their
     tensors are loaded, so ``fresh.load_state_dict(trained.state_dict(), strict=True)``
-    restores a checkpoint into a newly built model. Wrappers such as DDP or FSDP only manage
+    restores a checkpoint into a newly built model. Like ``load_state_dict`` itself, a load
+    that fails part way (a shape mismatch, say) is not rolled back: the entries it created
+    stay. Wrappers such as DDP or FSDP only manage
     the parameters that exist when they wrap, so create entries (or restore the checkpoint)
     before wrapping.
 
@@ -132,15 +135,18 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
 
         Raises:
             KeyError: If ``key`` is missing and ``default_factory`` is None (``args`` is
-                ``(key,)``, as for a dict), or if the missing ``key`` is empty, contains
-                ``"."`` or names an existing attribute.
-            TypeError: If the missing ``key`` is not a str, or ``default_factory`` returns
-                something that is not a Module.
+                ``(key,)``, as for a dict, whatever the key's type), or if the missing
+                ``key`` is empty, contains ``"."`` or names an existing attribute.
+            TypeError: If a factory is set and the missing ``key`` is not a str, or
+                ``default_factory`` returns something that is not a Module.
         """
         try:
             return self._modules[key]
         except KeyError:
-            return self.__missing__(key)
+            pass
+        # Outside the except block, so that errors from the factory or the key checks are
+        # not chained to the lookup's KeyError.
+        return self.__missing__(key)
 
     def __missing__(self, key: str) -> ModuleT:
         """Create, register and return the entry for a missing ``key``.
@@ -157,7 +163,8 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
 
         Raises:
             KeyError: If ``default_factory`` is None, or ``key`` is not a valid new name.
-            TypeError: If ``key`` is not a str, or the factory returns a non-Module.
+            TypeError: If a factory is set and ``key`` is not a str, or the factory returns
+                a non-Module.
         """
         factory = self.default_factory
         if factory is None:
