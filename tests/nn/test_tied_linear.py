@@ -93,6 +93,8 @@ def test_an_uninitialized_lazy_weight_is_accepted_and_read_once_initialized() ->
     lazy = nn.LazyLinear(5, bias=False)
     head = TiedLinear(lazy)
     assert "uninitialized" in repr(head)
+    with pytest.raises(RuntimeError, match="uninitialized parameter"):
+        head.in_features  # noqa: B018 - the read is what is tested
     lazy(torch.randn(2, 3))  # materializes a (5, 3) weight
     x = torch.randn(4, 3)
     assert torch.equal(head(x), F.linear(x, lazy.weight))
@@ -154,6 +156,12 @@ def test_to_dtype_is_used() -> None:
     model = TiedPair(7, 3).to(torch.float64)
     out = model.head(torch.randn(2, 3, dtype=torch.float64))
     assert out.dtype == torch.float64
+
+
+def test_to_device_is_used() -> None:
+    model = TiedPair(7, 3).to("meta")
+    assert model.head.weight.device.type == "meta"
+    assert model.head(torch.empty(2, 3, device="meta")).device.type == "meta"
 
 
 class _Scale(nn.Module):
@@ -247,7 +255,15 @@ def test_is_a_drop_in_for_torchtunes_tied_linear() -> None:
 # Copies and checkpoints --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("clone", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))])
+def _pickle_with(protocol: int) -> Any:
+    return lambda m: pickle.loads(pickle.dumps(m, protocol=protocol))
+
+
+@pytest.mark.parametrize(
+    "clone",
+    [copy.deepcopy, *(_pickle_with(p) for p in range(pickle.HIGHEST_PROTOCOL + 1))],
+    ids=["deepcopy", *(f"pickle{p}" for p in range(pickle.HIGHEST_PROTOCOL + 1))],
+)
 def test_copies_retie_to_the_copied_module(clone: Any) -> None:
     model = TiedPair(7, 3)
     copied = clone(model)

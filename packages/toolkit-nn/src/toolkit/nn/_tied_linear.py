@@ -37,6 +37,9 @@ class TiedLinear:
     a real Module, so forward hooks can still be attached to observe the transform: its
     forward takes ``(x, weight)``.
 
+    The weight is checked when TiedLinear is built; to keep calls cheap it is not checked
+    again, so a weight assigned to ``tied_module`` later must also be 2-D.
+
     Because the weight is owned by ``tied_module`` alone, a model's state dict has one key
     for it and no shared storage, so ``safetensors.torch.save_file`` works, and
     ``copy.deepcopy`` or ``pickle`` of the model re-ties the copy to the copied module.
@@ -65,8 +68,6 @@ class TiedLinear:
         >>> head.weight is embedding.weight
         True
     """
-
-    __slots__ = ("linear", "tied_module")
 
     tied_module: nn.Module
     linear: nn.Module
@@ -128,12 +129,20 @@ class TiedLinear:
 
     @property
     def in_features(self) -> int:
-        """The size of the input's last dimension: ``weight.shape[1]``, read live."""
+        """The size of the input's last dimension: ``weight.shape[1]``, read live.
+
+        While the weight is an uninitialized lazy parameter it has no shape, and reading
+        this raises torch's error for that.
+        """
         return int(self.weight.shape[1])
 
     @property
     def out_features(self) -> int:
-        """The size of the output's last dimension: ``weight.shape[0]``, read live."""
+        """The size of the output's last dimension: ``weight.shape[0]``, read live.
+
+        While the weight is an uninitialized lazy parameter it has no shape, and reading
+        this raises torch's error for that.
+        """
         return int(self.weight.shape[0])
 
     def __repr__(self) -> str:
