@@ -1,0 +1,26 @@
+"""The distribution: its version and its place in the ``toolkit`` namespace."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import toolkit
+import toolkit.nn
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_version_comes_from_the_installed_metadata_and_matches_the_release() -> None:
+    release = (ROOT / "VERSION").read_text().strip()
+    assert toolkit.nn.__version__ == importlib.metadata.version("toolkit-nn") == release
+
+
+def test_toolkit_is_a_namespace_package() -> None:
+    # PEP 420: no toolkit/__init__.py, so sibling distributions can add toolkit.* modules.
+    assert getattr(toolkit, "__file__", None) is None
+    assert type(toolkit.__path__).__name__ == "_NamespacePath"
+
+
+def test_public_api() -> None:
+    assert toolkit.nn.__all__ == ["ModuleDefaultDict", "TiedLinear", "__version__"]
