@@ -11,10 +11,9 @@ import argparse
 import datetime
 import re
 import sys
+import tomllib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-
-import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION_FORMAT = re.compile(r"\d+\.\d+\.\d+")
@@ -151,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bumper.add_argument("--date", type=datetime.date.fromisoformat, default=None)
     args = parser.parse_args(argv)
     if args.command == "bump":
-        date = args.date or datetime.datetime.now(datetime.timezone.utc).date()
+        date = args.date or datetime.datetime.now(datetime.UTC).date()
         try:
             bump(args.root, args.version, date)
         except ValueError as error:

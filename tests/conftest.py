@@ -8,9 +8,9 @@ pytest's ``--hypothesis-profile`` choose another, such as "nightly".
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 
-import tomllib
 from hypothesis import HealthCheck, settings
 
 _CONFIG = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())

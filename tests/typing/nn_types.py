@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import assert_type
 
 import torch
 from torch import nn
-from typing_extensions import assert_type
 
 from toolkit.nn import ModuleDefaultDict, TiedLinear
 
