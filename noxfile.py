@@ -71,7 +71,9 @@ def tests(session: nox.Session, package: str) -> None:
     """Pytest over ``tests/<id>``; arguments after ``--`` go to pytest."""
     install(session, package, groups=("test",))
     session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "torchtune-reference"))
-    has_paths = any(not arg.startswith("-") for arg in session.posargs)
+    # Arguments naming existing files or folders (``tests/nn/test_x.py::test_y``) replace the
+    # default path; option values such as the pattern after ``-k`` do not.
+    has_paths = any((ROOT / arg.split("::")[0]).exists() for arg in session.posargs)
     paths = [] if has_paths else [f"tests/{package}"]
     session.run("pytest", *paths, *session.posargs)
 

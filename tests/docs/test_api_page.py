@@ -11,10 +11,9 @@ import os
 import re
 from pathlib import Path
 
+import mkdocs.commands.build as mkdocs_build
+import mkdocs.config as mkdocs_config
 import pytest
-
-mkdocs_config = pytest.importorskip("mkdocs.config")
-mkdocs_build = pytest.importorskip("mkdocs.commands.build")
 
 ROOT = Path(__file__).resolve().parents[2]
 CLASSES = ["ModuleDefaultDict", "TiedLinear"]

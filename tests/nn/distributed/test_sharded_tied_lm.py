@@ -86,12 +86,12 @@ def test_the_head_adds_no_parameter_and_no_state_dict_key(
     reference = ReferenceLM()
     names = [n for n, _ in reference.named_parameters()]
     for result in per_rank(worlds, world_size, f"setup/{setup}"):
-        assert result["parameter_names"] == names
+        assert result["unwrapped_parameter_names"] == names
         # FSDP1 with use_orig_params=False shows flat parameters instead of the originals.
         wrapped = result["wrapped_parameter_names"]
         assert wrapped == (None if setup == "fsdp1_flat_params" else names)
         assert result["wrapped_state_keys"] == list(reference.state_dict())
-        assert result["head_reads_live_weight"]
+        assert result["head_tied_to_the_wrapped_embedding"]
 
 
 @pytest.mark.parametrize(("world_size", "setup"), CASES, ids=IDS)

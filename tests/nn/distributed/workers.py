@@ -229,10 +229,10 @@ def run_setup(name: str, world_size: int, checkpoint_dir: Path) -> dict[str, Any
     return {
         "losses": losses,
         "states": states,
-        "parameter_names": [n for n, _ in TinyLM().named_parameters()],
+        "unwrapped_parameter_names": [n for n, _ in TinyLM().named_parameters()],
         "wrapped_parameter_names": _original_parameter_names(model),
         "wrapped_state_keys": list(get_model_state_dict(model, options=FULL)),
-        "head_reads_live_weight": inner.out.head.weight is inner.emb.weight,
+        "head_tied_to_the_wrapped_embedding": inner.out.head.tied_module is inner.emb,
         "checkpoint": _checkpoint_round_trip(name, model, checkpoint_dir),
     }
 
