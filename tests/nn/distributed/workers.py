@@ -130,24 +130,24 @@ def fsdp2_meta(state: dict[str, Any]) -> nn.Module:
     return model
 
 
-def fsdp1_orig_params(state: dict[str, Any]) -> nn.Module:
-    """FSDP1 with ``use_orig_params=True``; blocks are their own units."""
+def _fsdp1(state: dict[str, Any], *, use_orig_params: bool) -> nn.Module:
+    """FSDP1 with blocks as their own units; on the CPU it must be given the device."""
     return FullyShardedDataParallel(
         _loaded(TinyLM(), state),
         auto_wrap_policy=ModuleWrapPolicy({Block}),
-        use_orig_params=True,
+        use_orig_params=use_orig_params,
         device_id=CPU,
     )
+
+
+def fsdp1_orig_params(state: dict[str, Any]) -> nn.Module:
+    """FSDP1 with ``use_orig_params=True``."""
+    return _fsdp1(state, use_orig_params=True)
 
 
 def fsdp1_flat_params(state: dict[str, Any]) -> nn.Module:
-    """FSDP1 with ``use_orig_params=False`` (flat parameters); blocks are their own units."""
-    return FullyShardedDataParallel(
-        _loaded(TinyLM(), state),
-        auto_wrap_policy=ModuleWrapPolicy({Block}),
-        use_orig_params=False,
-        device_id=CPU,
-    )
+    """FSDP1 with ``use_orig_params=False`` (flat parameters)."""
+    return _fsdp1(state, use_orig_params=False)
 
 
 def ddp(state: dict[str, Any]) -> nn.Module:
