@@ -43,6 +43,11 @@ def install(session: nox.Session, *packages: str, groups: tuple[str, ...] = ()) 
     session.install(*CONSTRAINTS, *editables, *requirements)
 
 
+def install_torchtune_reference(session: nox.Session) -> None:
+    """Install torchtune without its dependencies, for ``benchmarks/torchtune_reference.py``."""
+    session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "torchtune-reference"))
+
+
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """Ruff lint and format check over the whole repository."""
@@ -70,7 +75,7 @@ def typecheck(session: nox.Session, package: str) -> None:
 def tests(session: nox.Session, package: str) -> None:
     """Pytest over ``tests/<id>``; arguments after ``--`` go to pytest."""
     install(session, package, groups=("test",))
-    session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "torchtune-reference"))
+    install_torchtune_reference(session)
     # Arguments naming existing files or folders (``tests/nn/test_x.py::test_y``) replace the
     # default path; option values such as the pattern after ``-k`` do not.
     has_paths = any((ROOT / arg.split("::")[0]).exists() for arg in session.posargs)
@@ -87,7 +92,7 @@ def bench(session: nox.Session) -> None:
     ``--`` go to ``benchmarks/bench_nn.py``: ``--quick``, ``--json PATH``, ``--only SECTION``.
     """
     install(session, "nn", groups=("bench",))
-    session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "torchtune-reference"))
+    install_torchtune_reference(session)
     session.run("python", "benchmarks/bench_nn.py", *session.posargs)
 
 

@@ -37,6 +37,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchtune_reference import TIED_LINEAR_FILE, load_tied_linear
 
 import toolkit.nn
 from toolkit.nn import ModuleDefaultDict, TiedLinear
@@ -244,31 +245,17 @@ def ratios_against(
 
 
 def load_torchtune_tied_linear() -> tuple[type | None, str]:
-    """The ``TiedLinear`` class of torchtune, loaded from its own file, and a note saying how.
-
-    The torchtune package no longer imports beside current torchao, so it is installed
-    without its dependencies and only ``torchtune/modules/tied_linear.py``, which needs torch
-    alone, is executed.
-    """
+    """The ``TiedLinear`` class of torchtune, loaded from its own file, and a note saying how."""
     try:
-        dist = importlib.metadata.distribution("torchtune")
-    except importlib.metadata.PackageNotFoundError:
-        return None, "torchtune is not installed: its TiedLinear is left out of the comparison"
-    files = [f for f in dist.files or () if str(f) == "torchtune/modules/tied_linear.py"]
-    if not files:
-        return None, f"torchtune {dist.version} has no torchtune/modules/tied_linear.py"
-    path = Path(str(dist.locate_file(files[0])))
-    spec = importlib.util.spec_from_file_location("torchtune_tied_linear", path)
-    if spec is None or spec.loader is None:
-        return None, f"cannot load {path}"
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+        cls, version = load_tied_linear()
+    except ImportError as error:
+        return None, f"{error}: its TiedLinear is left out of the comparison"
     note = (
-        f"torchtune {dist.version} is installed with --no-deps and only its "
-        "torchtune/modules/tied_linear.py is loaded (importlib, from the installed "
-        "distribution): the torchtune package itself does not import beside current torchao"
+        f"torchtune {version} is installed with --no-deps and only its {TIED_LINEAR_FILE} "
+        "is loaded (importlib, from the installed distribution): the torchtune package "
+        "itself does not import beside current torchao"
     )
-    return module.TiedLinear, note
+    return cls, note
 
 
 # TiedLinear against the alternatives -----------------------------------------------------

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import copy
-import importlib.metadata
-import importlib.util
 import pickle
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -16,26 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from benchmarks.torchtune_reference import load_tied_linear
 from tests.nn.models import TiedPair
 from toolkit.nn import TiedLinear
-
-
-def torchtune_tied_linear() -> ModuleType:
-    """torchtune's own ``torchtune/modules/tied_linear.py``, loaded on its own.
-
-    The package as a whole no longer imports beside current torchao, so the tests session
-    installs torchtune without its dependencies and loads just this file, which needs torch
-    alone.
-    """
-    dist = importlib.metadata.distribution("torchtune")
-    (path,) = (f for f in dist.files or () if str(f) == "torchtune/modules/tied_linear.py")
-    spec = importlib.util.spec_from_file_location("torchtune_tied_linear", dist.locate_file(path))
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 # Construction and errors -------------------------------------------------------------------
 
@@ -238,7 +218,7 @@ def test_a_forward_hook_can_replace_the_output() -> None:
 
 
 def test_is_a_drop_in_for_torchtunes_tied_linear() -> None:
-    reference = torchtune_tied_linear().TiedLinear
+    reference, _ = load_tied_linear()
     emb = nn.Embedding(11, 4)
     ours, theirs = TiedLinear(emb), reference(emb)
     assert ours.tied_module is theirs.tied_module is emb
