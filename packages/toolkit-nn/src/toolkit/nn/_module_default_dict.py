@@ -36,9 +36,8 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
     tensors are loaded, so ``fresh.load_state_dict(trained.state_dict(), strict=True)``
     restores a checkpoint into a newly built model. Like ``load_state_dict`` itself, a load
     that fails part way (a shape mismatch, say) is not rolled back: the entries it created
-    stay. Wrappers such as DDP or FSDP only manage
-    the parameters that exist when they wrap, so create entries (or restore the checkpoint)
-    before wrapping.
+    stay. Wrappers such as DDP or FSDP only manage the parameters that exist when they wrap,
+    so create entries (or restore the checkpoint) before wrapping.
 
     Inside ``torch.compile``, reading an existing key compiles to a plain lookup. A miss
     mutates the module tree, which a compiled graph cannot do: with ``fullgraph=True`` it

@@ -146,13 +146,18 @@ class TiedLinear:
         return int(self.weight.shape[0])
 
     def __repr__(self) -> str:
-        tied = f"{type(self.tied_module).__name__}({self.tied_module.extra_repr()})"
+        tied = _describe(self.tied_module)
         weight = self.weight
         if nn.parameter.is_lazy(weight):
             features = "in_features=<uninitialized>, out_features=<uninitialized>"
         else:
             features = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"TiedLinear({features}, tied_to={tied}.weight)"
+
+
+def _describe(module: nn.Module) -> str:
+    """A one-line description of ``module``, such as ``Embedding(17, 8)``."""
+    return f"{type(module).__name__}({module.extra_repr()})"
 
 
 def _check_weight(tied_module: nn.Module, weight: object) -> None:
@@ -197,8 +202,7 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 def _sharded_weight_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
     """The error for a weight that FSDP2 has sharded again before TiedLinear reads it."""
-    module = tl.tied_module
-    tied = f"{type(module).__name__}({module.extra_repr()})"
+    tied = _describe(tl.tied_module)
     placements = getattr(weight, "placements", ())
     return RuntimeError(
         f"TiedLinear cannot use the weight of the tied module {tied}: that weight is sharded "
