@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -324,9 +325,23 @@ def fsdp1_without_device_id() -> str:
 
 # Entry points: one launch each. -----------------------------------------------------------
 
+# Further modules whose checks every launch runs, after the ones above. Each defines
+# ``checks(world_size: int, checkpoint_dir: Path) -> dict[str, Callable[[], Any]]``, returning
+# the checks it runs at that world size under names prefixed by its own subject
+# (``"tp/..."``), and ``WORLD_SIZES``, the world sizes at which it has any.
+CHECK_MODULES: tuple[str, ...] = ()
+
+
+def extra_checks(world_size: int, checkpoint_dir: Path) -> dict[str, Callable[[], Any]]:
+    """The checks that the modules of :data:`CHECK_MODULES` run at ``world_size``."""
+    checks: dict[str, Callable[[], Any]] = {}
+    for name in CHECK_MODULES:
+        checks.update(importlib.import_module(name).checks(world_size, checkpoint_dir))
+    return checks
+
 
 def main(world_size: int, setups: list[str], checkpoint_dir: str) -> dict[str, Any]:
-    """Run the named setups, the unsupported setup and the ModuleDefaultDict checks.
+    """Run the named setups, the unsupported setup, the ModuleDefaultDict and further checks.
 
     A check that raises is recorded as its traceback, so one failure does not hide the rest.
     """
@@ -339,6 +354,7 @@ def main(world_size: int, setups: list[str], checkpoint_dir: str) -> dict[str, A
         **{
             f"unsupported/{placement}": (lambda placement=placement: unsupported(placement))
             for placement in ("own_unit", "grouped_resharding")
+            if setups
         },
     }
     if world_size == 2:
@@ -356,6 +372,7 @@ def main(world_size: int, setups: list[str], checkpoint_dir: str) -> dict[str, A
         checks["mdd/after_wrapping"] = lambda: mdd_created_after_wrapping(world_size)
         checks["mdd/after_fully_shard"] = mdd_created_after_fully_shard
         checks["fsdp1/without_device_id"] = fsdp1_without_device_id
+    checks.update(extra_checks(world_size, Path(checkpoint_dir)))
     with process_group():
         for name, check in checks.items():
             try:

@@ -6,6 +6,7 @@ one launch per world size runs every setup one after another (see ``workers.main
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,10 @@ WORLDS = {
     2: list(workers.SETUPS),
     3: ["fsdp2_blocks", "fsdp2_grouped", "fsdp1_flat_params"],
 }
+# Further world sizes that only modules of ``workers.CHECK_MODULES`` use; they run no setup.
+for _module in workers.CHECK_MODULES:
+    for _size in importlib.import_module(_module).WORLD_SIZES:
+        WORLDS.setdefault(_size, [])
 
 
 class Worlds:
