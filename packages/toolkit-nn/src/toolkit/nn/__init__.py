@@ -1,13 +1,27 @@
 """Module for PyTorch neural network utilities."""
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 from toolkit.nn._module_default_dict import ModuleDefaultDict
 from toolkit.nn._tied_linear import TiedLinear
+
+if TYPE_CHECKING:
+    from toolkit.nn._tensor_parallel import TiedLinearParallel
 
 try:
     __version__ = version("toolkit-nn")
 except PackageNotFoundError:  # pragma: no cover - only when run from an uninstalled tree
     __version__ = "0+unknown"
 
-__all__ = ["ModuleDefaultDict", "TiedLinear", "__version__"]
+__all__ = ["ModuleDefaultDict", "TiedLinear", "TiedLinearParallel", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    # The tensor-parallel style needs torch.distributed.tensor, a large import that most
+    # users of this package never need: it is loaded on first use (PEP 562).
+    if name == "TiedLinearParallel":
+        from toolkit.nn._tensor_parallel import TiedLinearParallel  # noqa: PLC0415
+
+        return TiedLinearParallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,150 @@
+"""TiedLinearParallel: the tensor-parallel style for a TiedLinear head."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
+
+from toolkit.nn._tied_linear import _Linear
+
+__all__ = ["TiedLinearParallel"]
+
+
+class TiedLinearParallel(ParallelStyle):
+    """A ``parallelize_module`` style that runs a TiedLinear head on a vocabulary-sharded weight.
+
+    ``RowwiseParallel`` on an ``nn.Embedding`` shards its weight on the vocabulary
+    (``Shard(0)``), which is exactly the sharding a vocabulary-parallel head needs: each rank
+    multiplies a replicated input by its own rows of the weight and gets its own slice of the
+    logits, sharded on the last dimension (``Shard(-1)``), without any communication.
+    torch's ``ColwiseParallel`` cannot be used for the head, because it accepts only
+    ``nn.Linear`` and ``nn.Embedding`` and would shard a weight of its own; TiedLinear owns
+    no weight, it reads the tied module's live. This style shards nothing: it prepares the
+    head's input and output around that live read, with the argument names of torch's
+    styles.
+
+    Apply it to the head's ``linear`` module, the Module that TiedLinear calls:
+    ``parallelize_module(model.head.linear, tp_mesh, TiedLinearParallel())``. TiedLinear is
+    not an ``nn.Module``, so a ``parallelize_module`` plan on the whole model cannot reach it
+    by name; apply the style to ``head.linear`` in its own call.
+
+    The input is annotated with ``input_layouts`` and redistributed to ``Replicate()``, the
+    layout the head computes in: with sequence parallelism (``input_layouts=Shard(1)``) that
+    is one all-gather of the head's input, without it nothing. The logits are redistributed
+    to ``output_layouts``: left as ``Shard(-1)`` they cost nothing and are what
+    ``torch.distributed.tensor.parallel.loss_parallel()`` expects; ``Replicate()`` gathers
+    the full vocabulary on every rank.
+
+    A weight sharded some other way, such as ``ColwiseParallel`` on the embedding
+    (``Shard(1)``), still gives correct logits, because DTensor redistributes as needed, but
+    the head then reduces the full logits across ranks instead of computing its slice alone.
+
+    Args:
+        input_layouts: The layout of the head's input when it is a plain tensor: this rank's
+            part of a DTensor with these placements on the mesh. Default: ``Replicate()``.
+            A DTensor input keeps its own placements.
+        output_layouts: The layout the logits are redistributed to. Default: ``Shard(-1)``,
+            the vocabulary-sharded logits ``loss_parallel()`` takes.
+        use_local_output: Whether to return this rank's local tensor instead of the DTensor.
+            Default: False, unlike torch's ``ColwiseParallel``: a loss computed on this
+            rank's slice of the vocabulary would be silently wrong, whereas a DTensor
+            either works under ``loss_parallel()`` or raises. Set it to True with
+            ``output_layouts=Replicate()`` for plain full logits.
+
+    Raises:
+        TypeError: If applied to anything but a TiedLinear's ``linear`` module.
+        RuntimeError: At the head's call, if the tied module's weight is not a DTensor: the
+            tied module was not parallelised on the mesh.
+
+    Added in version v3.58.0.
+
+    Examples:
+        A sketch of the recipe on a tensor-parallel mesh (see the tensor parallelism guide
+        for the full, tested version)::
+
+            parallelize_module(model, tp_mesh, {"emb": RowwiseParallel(input_layouts=Replicate())})
+            parallelize_module(model.head.linear, tp_mesh, TiedLinearParallel())
+            with loss_parallel():
+                loss = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+                loss.backward()
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = False,
+    ) -> None:
+        super().__init__()
+        self.input_layouts = (input_layouts or Replicate(),)
+        self.output_layouts = (output_layouts or Shard(-1),)
+        # The head multiplies a replicated input by the vocabulary rows of this rank.
+        self.desired_input_layouts = (Replicate(),)
+        self.use_local_output = use_local_output
+
+    @staticmethod
+    def _prepare_input_fn(
+        input_layouts: tuple[Placement, ...],
+        desired_input_layouts: tuple[Placement, ...],
+        module: nn.Module,
+        inputs: tuple[object, ...],
+        device_mesh: DeviceMesh,
+    ) -> tuple[object, ...]:
+        x, weight = inputs
+        if not isinstance(weight, DTensor):
+            raise RuntimeError(
+                "TiedLinearParallel prepared the head's input for tensor parallelism, but the "
+                "weight of the tied module is a plain tensor, not sharded on the device mesh: "
+                "the tied module was not parallelised. Shard it on the same mesh "
+                "(RowwiseParallel on the embedding shards its weight on the vocabulary), or "
+                "remove TiedLinearParallel from head.linear."
+            )
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)  # type: ignore[arg-type]
+        if x.placements != desired_input_layouts:
+            x = x.redistribute(placements=desired_input_layouts, async_op=True)
+        return (x, weight)
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: tuple[Placement, ...],
+        use_local_output: bool,
+        module: nn.Module,
+        outputs: DTensor,
+        device_mesh: DeviceMesh,
+    ) -> object:
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+        return outputs.to_local() if use_local_output else outputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, _Linear):
+            raise TypeError(
+                f"TiedLinearParallel applies to a TiedLinear's linear module, got "
+                f"{type(module).__name__}; pass the head's linear module: "
+                "parallelize_module(head.linear, tp_mesh, TiedLinearParallel())"
+            )
+        # torch annotates the hooks as returning None, but uses what they return, as its
+        # own styles do.
+        return distribute_module(
+            module,
+            device_mesh,
+            input_fn=partial(  # type: ignore[arg-type]
+                self._prepare_input_fn, self.input_layouts, self.desired_input_layouts
+            ),
+            output_fn=partial(  # type: ignore[arg-type]
+                self._prepare_output_fn, self.output_layouts, self.use_local_output
+            ),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_layouts={self.input_layouts}, "
+            f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})"
+        )

@@ -1,0 +1,54 @@
+"""TiedLinearParallel in one process: its defaults, its repr, and its lazy import.
+
+Its behaviour on ranks is tested in ``tests/nn/distributed/test_tensor_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+import toolkit.nn
+from toolkit.nn import TiedLinearParallel
+
+
+def test_the_defaults_give_vocabulary_sharded_logits_as_dtensors() -> None:
+    style = TiedLinearParallel()
+    assert isinstance(style, ParallelStyle)
+    assert style.input_layouts == (Replicate(),)
+    assert style.desired_input_layouts == (Replicate(),)
+    assert style.output_layouts == (Shard(-1),)
+    assert style.use_local_output is False
+
+
+def test_the_arguments_are_kept_as_torch_styles_keep_them() -> None:
+    style = TiedLinearParallel(
+        input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True
+    )
+    assert style.input_layouts == (Shard(1),)
+    assert style.desired_input_layouts == (Replicate(),)
+    assert style.output_layouts == (Replicate(),)
+    assert style.use_local_output is True
+    assert repr(style) == (
+        "TiedLinearParallel(input_layouts=(Shard(dim=1),), output_layouts=(Replicate(),), "
+        "use_local_output=True)"
+    )
+
+
+def test_importing_the_package_does_not_import_tensor_parallelism() -> None:
+    code = (
+        "import sys, toolkit.nn; "
+        "assert 'torch.distributed.tensor' not in sys.modules; "
+        "toolkit.nn.TiedLinearParallel; "
+        "assert 'torch.distributed.tensor' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_unknown_attribute_raises_attribute_error() -> None:
+    with pytest.raises(AttributeError, match=r"^module 'toolkit.nn' has no attribute 'Nope'$"):
+        toolkit.nn.Nope  # noqa: B018
