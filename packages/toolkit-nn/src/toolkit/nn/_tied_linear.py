@@ -28,6 +28,8 @@ class TiedLinear:
     ``torch.func.functional_call``. Under FSDP2 the weight must be unsharded when TiedLinear
     reads it: if ``tied_module`` is its own ``fully_shard`` unit that reshards after its
     forward, the call raises a RuntimeError naming the module and the ways to regroup it.
+    Under tensor parallelism the same live read takes the tied module's vocabulary-sharded
+    weight; ``TiedLinearParallel`` prepares the head's input and logits around it.
 
     TiedLinear intentionally does not subclass ``torch.nn.Module``.
     ``Module.__setattr__`` auto-registers any Module-valued attribute as a submodule, which
@@ -104,7 +106,8 @@ class TiedLinear:
         Raises:
             RuntimeError: If ``x`` cannot be multiplied by the weight, the message gives
                 both shapes; if the weight is a sharded DTensor (FSDP2 resharded it before
-                the call), it says how to regroup the units.
+                the call), it says how to regroup the units; if tensor parallelism sharded
+                the weight but ``x`` is a plain tensor, it says how to prepare the input.
         """
         # A registered Parameter is exactly what ``tied_module.weight`` returns. Reading it
         # from ``_parameters`` skips the Python-level ``Module.__getattr__``, a tenth of a
@@ -181,7 +184,9 @@ def _explain_failure(tl: TiedLinear, x: object, weight: object) -> Exception | N
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return None
     if _is_dtensor(weight) and not _is_dtensor(x):
-        return _sharded_weight_error(tl, weight)
+        if _resharded_by_fsdp(tl.tied_module, weight):
+            return _sharded_weight_error(tl, weight)
+        return _unprepared_input_error(tl, weight)
     if weight.dim() == 2 and (x.dim() == 0 or x.shape[-1] != weight.shape[1]):
         return RuntimeError(
             f"TiedLinear input has shape {tuple(x.shape)}, but {owner}.weight has shape "
@@ -198,6 +203,44 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only once a call failed
 
     return isinstance(tensor, DTensor)
+
+
+def _resharded_by_fsdp(tied_module: nn.Module, weight: torch.Tensor) -> bool:
+    """Whether FSDP2 resharded ``weight``, rather than tensor parallelism sharding it.
+
+    Both leave a DTensor with the same placements, so the modules tell them apart.
+    ``fully_shard`` turns each module it is applied to into an ``FSDPModule`` and marks every
+    module it manages, its units' descendants included, with ``_is_fsdp_managed_module``
+    (which TorchDynamo reads too). A managed module holds a DTensor weight while unsharded
+    only if tensor parallelism distributed it (``distribute_module``, which every torch
+    ``ParallelStyle`` that shards uses, marks it ``_distribute_module_applied``), and then on
+    the tensor-parallel mesh alone; resharded, FSDP2 puts it on its own mesh joined with that
+    one, which has more dimensions.
+    """
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 - only once a call failed
+
+    managed = isinstance(tied_module, FSDPModule) or getattr(
+        tied_module, "_is_fsdp_managed_module", False
+    )
+    if not managed:
+        return False
+    tensor_parallel = getattr(tied_module, "_distribute_module_applied", False)
+    return not tensor_parallel or weight.device_mesh.ndim > 1  # type: ignore[attr-defined]
+
+
+def _unprepared_input_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
+    """The error for a plain input to a head whose weight tensor parallelism has sharded."""
+    placements = tuple(weight.placements)  # type: ignore[attr-defined]
+    return RuntimeError(
+        f"TiedLinear got a plain-tensor input, but the weight of the tied module "
+        f"{_describe(tl.tied_module)} is sharded by tensor parallelism (a DTensor with "
+        f"placements {placements}): the head's input must be a DTensor on the same device "
+        "mesh. Prepare the head's input by applying toolkit.nn.TiedLinearParallel to the "
+        "head's linear module, parallelize_module(head.linear, tp_mesh, "
+        "TiedLinearParallel()), with input_layouts=Shard(1) under sequence parallelism; or "
+        "apply torch's PrepareModuleInput(input_layouts=(Replicate(), None), "
+        "desired_input_layouts=(Replicate(), None)) to head.linear."
+    )
 
 
 def _sharded_weight_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
