@@ -17,6 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CLASSES = ["ModuleDefaultDict", "TiedLinear"]
+# Classes without methods of their own, whose sections have no methods or returns tables.
+STYLES = ["TiedLinearParallel"]
 SPHINX_ROLE = re.compile(r":(class|func|meth|attr|mod|obj|data|exc):")
 
 
@@ -47,7 +49,7 @@ def sections(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     finally:
         os.chdir(cwd)
     page = (site / "api" / "nn" / "index.html").read_text(encoding="utf-8")
-    starts = {name: _heading(page, f"toolkit.nn.{name}") for name in CLASSES}
+    starts = {name: _heading(page, f"toolkit.nn.{name}") for name in [*CLASSES, *STYLES]}
     bounds = [*sorted(starts.values()), page.index("</article>")]
     result = {"toolkit.nn": _text(page[_heading(page, "toolkit.nn") : bounds[0]])}
     for name, start in starts.items():
@@ -102,6 +104,20 @@ def test_the_entry_points_are_listed_with_their_summaries(sections: dict[str, st
     assert (
         "AttributeError If tied_module does not have a weight attribute." in sections["TiedLinear"]
     )
+
+
+def test_the_tensor_parallel_style_shows_its_base_parameters_and_errors(
+    sections: dict[str, str],
+) -> None:
+    text = sections["TiedLinearParallel"]
+    assert "Bases: ParallelStyle" in text
+    assert "Parameters: Name Type Description Default" in text
+    assert "input_layouts Placement | None The layout of the head's input" in text
+    assert "use_local_output bool Whether to return this rank's local tensor" in text
+    assert "Raises: Type Description TypeError If applied to anything but" in text
+    assert "Added in version v3.58.0." in text
+    assert SPHINX_ROLE.search(text) is None
+    assert "<blockquote" not in sections["TiedLinearParallel html"]
 
 
 @pytest.mark.parametrize("name", ["ModuleDefaultDict", "TiedLinear"])
