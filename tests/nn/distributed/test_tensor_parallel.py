@@ -172,6 +172,19 @@ def test_fsdp2_resharding_a_tensor_parallel_embedding_keeps_the_fsdp2_error(
         assert "TiedLinearParallel" not in message
 
 
+def test_fsdp2_resharding_through_an_enclosing_unit_keeps_the_fsdp2_error(
+    worlds: Worlds,
+) -> None:
+    # The embedding is no unit of its own, but the trunk unit holding it reshards.
+    for message in per_rank(worlds, 2, "tp/fsdp_enclosing_unit"):
+        assert message.startswith(
+            "RuntimeError: TiedLinear cannot use the weight of the tied module "
+            "Embedding(17, 8): that weight is sharded (a DTensor with placements "
+            "(Shard(dim=0),)) when TiedLinear reads it"
+        )
+        assert "TiedLinearParallel" not in message
+
+
 def test_a_prepared_input_with_an_unsharded_tied_weight_names_the_fix(worlds: Worlds) -> None:
     for message in per_rank(worlds, 2, "tp/unsharded_weight"):
         assert message == (

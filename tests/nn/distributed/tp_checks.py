@@ -45,7 +45,7 @@ from tests.nn.distributed.tiny_lm import (
     loss_fn,
     rank_rows,
 )
-from toolkit.nn import TiedLinearParallel
+from toolkit.nn import TiedLinear, TiedLinearParallel
 
 WORLD_SIZES = (2, 4)
 STEPS = 3
@@ -258,6 +258,27 @@ def fsdp_resharded_under_tp() -> str:
     return error_of(partial(model, idx))
 
 
+class _Trunked(nn.Module):
+    """An embedding inside a trunk: FSDP2 manages it, but it is not a unit itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Embedding(VOCAB, DIM))
+        self.head = TiedLinear(self.trunk[0])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(idx))  # type: ignore[no-any-return]
+
+
+def fsdp_resharded_by_an_enclosing_unit() -> str:
+    """The error when a unit enclosing the embedding reshards it before the head, without TP."""
+    model = _Trunked()
+    fully_shard(model.trunk)
+    fully_shard(model)
+    idx, _ = batches(DATA_RANKS, 1)[0]
+    return error_of(partial(model, idx))
+
+
 def unsharded_weight() -> str:
     """The error when the head's input is prepared but the tied module was not parallelised."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -307,6 +328,7 @@ def checks(world_size: int, checkpoint_dir: Path) -> dict[str, Callable[[], Any]
             "tp/unsharded_weight": unsharded_weight,
             "tp/style_on_another_module": style_on_another_module,
             "tp/plan_by_name": plan_by_name,
+            "tp/fsdp_enclosing_unit": fsdp_resharded_by_an_enclosing_unit,
         }
     if world_size == 4:
         return {
