@@ -26,7 +26,7 @@ def namespaces() -> list[dict[str, object]]:
 
 def test_every_block_of_the_page_is_run_or_checked() -> None:
     kinds = fences(PAGE)
-    assert kinds.count("py") == 7
+    assert kinds.count("py") == 8
     assert kinds.count("text") == 1
     # ```python blocks would run in a single process, without the process group they need.
     assert set(kinds) == {"py", "text"}
@@ -36,6 +36,7 @@ def test_the_page_script_runs_on_two_ranks(namespaces: list[dict[str, object]]) 
     assert len(namespaces) == 2
     for namespace in namespaces:
         assert namespace["collectives"] == ["all_reduce"]
+        assert namespace["outside_loss_parallel"] == "raises"
 
 
 def test_the_error_shown_is_the_one_every_rank_raises(
