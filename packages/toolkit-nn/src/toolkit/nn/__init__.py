@@ -2,6 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from toolkit.nn._entries import create_entries, sync_entries
 from toolkit.nn._module_default_dict import ModuleDefaultDict
 from toolkit.nn._tied_linear import TiedLinear
 
@@ -10,4 +11,4 @@ try:
 except PackageNotFoundError:  # pragma: no cover - only when run from an uninstalled tree
     __version__ = "0+unknown"
 
-__all__ = ["ModuleDefaultDict", "TiedLinear", "__version__"]
+__all__ = ["ModuleDefaultDict", "TiedLinear", "__version__", "create_entries", "sync_entries"]
