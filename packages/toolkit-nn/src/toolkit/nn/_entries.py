@@ -140,7 +140,9 @@ def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> l
             owners.setdefault(name, rank)
 
     created, error = _create_missing(module, owners)
-    meta = sorted(name for name, (t, _) in _owned_tensors(module, owners).items() if t.is_meta)
+    # Where creation failed, some entries are missing; the failure is reported instead.
+    tensors = {} if error else _owned_tensors(module, owners)
+    meta = sorted(name for name, (tensor, _) in tensors.items() if tensor.is_meta)
     outcomes: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(outcomes, (error and repr(error), meta), group=group)
     failures = [f"rank {rank}: {found}" for rank, (found, _) in enumerate(outcomes) if found]
