@@ -222,3 +222,11 @@ def test_on_one_rank_sync_entries_creates_nothing_and_keeps_the_values() -> None
     assert sync_entries(model) == []
     for name, tensor in before.items():
         assert torch.equal(model.state_dict()[name], tensor)
+
+
+def test_a_factory_returning_a_non_module_is_a_type_error() -> None:
+    model = nn.Module()
+    model.heads = ModuleDefaultDict(lambda: 3)  # type: ignore[arg-type,return-value]
+    with pytest.raises(TypeError, match=r"it must return an nn\.Module instance$"):
+        create_entries(model, ["heads.a.weight"])
+    assert list(model.heads) == []

@@ -352,3 +352,20 @@ def test_pop_with_a_default_never_calls_the_factory() -> None:
         d.pop("a")
     assert info.value.args == ("a",)
     assert factory.calls == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "move",
+    [lambda m: m.cuda(), lambda m: m.to("cuda"), lambda m: m.to("cuda", torch.bfloat16)],
+    ids=["cuda", "to-cuda", "to-cuda-bfloat16"],
+)
+def test_a_late_entry_follows_a_move_to_cuda(move: Callable[[nn.Module], Any]) -> None:
+    torch.manual_seed(0)
+    existing = Model()
+    existing.heads["a"]
+    move(existing)
+    late = Model()
+    move(late)
+    assert _placement(late.heads["a"]) == _placement(existing.heads["a"])
+    assert late.heads["a"].proj.weight.device.type == "cuda"
