@@ -96,26 +96,28 @@ def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> l
     rank 1 ``heads["b"]``. DDP would then wrap without a word when the shapes match, and
     average the gradients of two different heads. Every rank of ``group`` calls this, before
     wrapping. Afterwards every ModuleDefaultDict in ``module`` holds the union of the entries
-    of all ranks, in the same order on every rank (each entry where the lowest rank that
-    had it put it, then those only later ranks had), and every entry's parameters and buffers
-    equal those of the lowest rank that had the entry before the call. Missing entries are
+    of all ranks, in the same order on every rank (rank 0's entries in its order, then those
+    of rank 1 that rank 0 lacked, and so on), and every entry's parameters and buffers equal
+    those of the lowest rank that had the entry before the call. Missing entries are
     created by the dict's factory, so they follow its device, dtype and training mode.
     Tensors on the meta device hold no values and are left as they are.
 
     A miss after wrapping would create an entry that no other rank has and whose gradients
-    are never reduced. Neither DDP nor FSDP2 marks the modules they wrap in a way the dict
-    can see from inside (DDP holds the model; ``fully_shard`` changes the class of the
-    modules it is applied to, not of the dict), so a miss cannot tell reliably that it is
-    too late. Close the dicts instead, once the entries are synchronised:
+    are never reduced. Neither DDP nor FSDP2 leaves a mark that the dict can see from
+    inside: DDP holds the model without changing it, and ``fully_shard`` changes the class of
+    the modules it is applied to, usually the model and its blocks, while a dict has no link
+    to the modules above it. A miss therefore cannot tell reliably that it is too late, so
+    close the dicts instead once the entries are synchronised:
     ``model.heads.default_factory = None``. A miss then raises ``KeyError`` whatever the
-    wrapper.
+    wrapper. (This function and [`create_entries`][toolkit.nn.create_entries] are given the
+    model itself, so they do refuse a wrapped one.)
 
     Args:
         module: The model, before it is wrapped by DDP or FSDP.
         group: The process group whose ranks take part; the default group if None.
 
     Returns:
-        The qualified names of the entries this rank created, in the order of the dicts.
+        The qualified names of the entries this rank created, in their new order.
 
     Raises:
         ValueError: On every rank, if ``module`` is wrapped by DDP or FSDP or holds DTensor
