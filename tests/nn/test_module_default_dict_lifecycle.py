@@ -101,6 +101,13 @@ def test_a_late_entry_is_placed_as_an_entry_that_existed_all_along(
             assert torch.equal(entry.state_dict()[name], tensor), name
 
 
+def test_a_conversion_that_does_not_recurse_leaves_new_entries_alone() -> None:
+    model = Model()
+    model.heads.to_empty(device="meta", recurse=False)
+    model.to_empty(device="meta", recurse=False)
+    assert model.heads["a"].proj.weight.device == torch.device("cpu")
+
+
 def test_integer_and_bool_buffers_keep_their_dtype() -> None:
     model = Model().to(torch.float64)
     entry = model.heads["a"]

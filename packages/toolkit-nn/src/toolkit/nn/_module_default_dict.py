@@ -310,8 +310,10 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         # Every move or cast of a module reaches its children through _apply, whether it was
         # called on the dict or on a model above it. Keep its net effect for entries created
-        # later; learn it first, so that a conversion that fails changes nothing here.
-        placement = self._entry_placement.after(fn)
+        # later; learn it first, so that a conversion that fails changes nothing here. One
+        # that does not recurse (to_empty(recurse=False)) leaves the entries, and so new ones,
+        # alone.
+        placement = self._entry_placement.after(fn) if recurse else self._entry_placement
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         self._entry_placement = placement
         return self
