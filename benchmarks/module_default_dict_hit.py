@@ -2,7 +2,8 @@
 
 Placement of new entries and the other miss-path work must cost a hit nothing. Both lookups
 are timed in one process, interleaved round by round so that drift affects both alike, and
-the report is the ratio of the medians (1.0 means as fast as ``nn.ModuleDict``).
+the report is the ratio of the fastest rounds (1.0 means as fast as ``nn.ModuleDict``): as
+``timeit`` advises, the minimum is the best estimate on a machine with other load.
 """
 
 from __future__ import annotations
@@ -23,19 +24,22 @@ def run(quick: bool) -> dict[str, object]:
     entries = {name: nn.Linear(2, 2) for name in ("a", "b", "c")}
     plain = nn.ModuleDict(entries)
     ours = ModuleDefaultDict(lambda: nn.Linear(2, 2), entries).to(torch.float64).eval()
-    rounds, number = (15, 20_000) if quick else (41, 100_000)
+    # Many short rounds: on a loaded machine the fastest of them is rarely interrupted.
+    rounds, number = (100, 5_000) if quick else (300, 5_000)
     times: dict[str, list[float]] = {"nn.ModuleDict": [], "ModuleDefaultDict": []}
     for _ in range(rounds):
         for name, d in (("nn.ModuleDict", plain), ("ModuleDefaultDict", ours)):
             seconds = timeit.Timer('d["b"]', globals={"d": d}).timeit(number)
             times[name].append(seconds / number * 1e9)
+    fastest = {name: min(values) for name, values in times.items()}
     medians = {name: statistics.median(values) for name, values in times.items()}
-    ratio = medians["ModuleDefaultDict"] / medians["nn.ModuleDict"]
-    print("d[key] on an existing key, median ns per lookup over", rounds, "rounds")
-    for name, value in medians.items():
-        print(f"  {name:18} {value:7.1f} ns")
-    print(f"  ratio ModuleDefaultDict / nn.ModuleDict: {ratio:.3f}")
-    return {"hit_ns": medians, "hit_ratio": ratio}
+    ratio = fastest["ModuleDefaultDict"] / fastest["nn.ModuleDict"]
+    median_ratio = medians["ModuleDefaultDict"] / medians["nn.ModuleDict"]
+    print("d[key] on an existing key, ns per lookup over", rounds, "rounds (fastest, median)")
+    for name in times:
+        print(f"  {name:18} {fastest[name]:7.1f} {medians[name]:7.1f}")
+    print(f"  ratio ModuleDefaultDict / nn.ModuleDict: {ratio:.3f} (medians: {median_ratio:.3f})")
+    return {"hit_ns": fastest, "hit_ratio": ratio, "hit_ratio_of_medians": median_ratio}
 
 
 if __name__ == "__main__":
