@@ -55,7 +55,8 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
     a newly built model. Like ``load_state_dict`` itself, a load that fails part way (a
     shape mismatch, say) is not rolled back: the entries it created stay. Wrappers such as
     DDP or FSDP only manage the parameters that exist when they wrap, so create entries (or
-    restore the checkpoint) before wrapping: see [`create_entries`][toolkit.nn.create_entries] and
+    restore the checkpoint) before wrapping: see
+    [`create_entries`][toolkit.nn.create_entries] and
     [`sync_entries`][toolkit.nn.sync_entries].
 
     Inside ``torch.compile``, reading an existing key compiles to a plain lookup. A miss
@@ -181,7 +182,8 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
 
         ``__getitem__`` calls this for a key that is not present, as ``dict`` does. The
         key is checked before the factory is called, and the factory's result after; on any
-        failure nothing is inserted.
+        failure nothing is inserted. The new module is then moved and cast as the dict was,
+        and set to the dict's training mode, before it is registered.
 
         Args:
             key: The missing name.
