@@ -28,4 +28,6 @@ def test_public_api() -> None:
         "TiedLinear",
         "TiedLinearParallel",
         "__version__",
+        "create_entries",
+        "sync_entries",
     ]

@@ -12,7 +12,7 @@ from typing import assert_type
 import torch
 from torch import nn
 
-from toolkit.nn import ModuleDefaultDict, TiedLinear
+from toolkit.nn import ModuleDefaultDict, TiedLinear, create_entries, sync_entries
 
 heads = ModuleDefaultDict(functools.partial(nn.Linear, 4, 2))
 assert_type(heads, ModuleDefaultDict[nn.Linear])
@@ -40,3 +40,9 @@ assert_type(head.in_features, int)
 assert_type(head.out_features, int)
 assert_type(head.tied_module, nn.Module)
 assert_type(head.linear, nn.Module)
+
+assert_type(heads.pop("task", None), nn.Linear | None)
+assert_type(heads.setdefault("task", nn.Linear(4, 2)), nn.Linear)
+assert_type(ModuleDefaultDict[nn.Linear](None, None), ModuleDefaultDict[nn.Linear])
+assert_type(create_entries(heads, ["a.weight"], prefix=""), list[str])
+assert_type(sync_entries(heads), list[str])

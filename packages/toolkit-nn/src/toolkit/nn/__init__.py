@@ -3,6 +3,7 @@
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
+from toolkit.nn._entries import create_entries, sync_entries
 from toolkit.nn._module_default_dict import ModuleDefaultDict
 from toolkit.nn._tied_linear import TiedLinear
 
@@ -14,7 +15,14 @@ try:
 except PackageNotFoundError:  # pragma: no cover - only when run from an uninstalled tree
     __version__ = "0+unknown"
 
-__all__ = ["ModuleDefaultDict", "TiedLinear", "TiedLinearParallel", "__version__"]
+__all__ = [
+    "ModuleDefaultDict",
+    "TiedLinear",
+    "TiedLinearParallel",
+    "__version__",
+    "create_entries",
+    "sync_entries",
+]
 
 
 def __getattr__(name: str) -> object:

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping, ValuesView
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, TypeVar, overload
 
+import torch
 from torch import nn
+
+from toolkit.nn._entry_placement import UNMOVED, EntryPlacement
 
 __all__ = ["ModuleDefaultDict", "ModuleT"]
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 _T = TypeVar("_T")
+_MISSING: Any = object()
 
 
 class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
@@ -23,9 +28,21 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
     a registered submodule so that ``parameters()``, ``state_dict()`` and ``.to()`` see it.
 
     Only ``d[key]`` creates entries. ``in``, ``len``, iteration, ``keys()``, ``values()``,
-    ``items()``, ``get()`` and ``pop()`` never call the factory. With
+    ``items()``, ``get()``, ``pop()`` and ``setdefault()`` never call the factory. With
     ``default_factory=None`` it is a drop-in ``torch.nn.ModuleDict``: the same entries, order
-    and errors, with ``get()`` added and ``update()`` made all or nothing.
+    and errors, with ``get()``, ``setdefault()`` and ``pop(key, default)`` added and
+    ``update()`` made all or nothing. It also scripts with ``torch.jit.script`` as
+    ``torch.nn.ModuleDict`` does.
+
+    A new entry follows the dict, as if it had been there all along: it is moved to the
+    device and its floating point tensors are cast to the dtype that the dict was last moved
+    or cast to (by ``.to()``, ``.cuda()``, ``.half()``, ``.bfloat16()``, ``to_empty()`` and
+    the like, called on the dict or on a module above it), and it takes the dict's training
+    mode. Tensors that are not floating point keep their dtype, as ``nn.Module.to`` does. A
+    dict that was never moved or cast leaves the factory's result where the factory put it.
+    Only the net effect of the moves is kept: after ``to("meta")`` new entries are on the
+    meta device, and after ``to_empty(device=...)`` they are built by the factory and moved
+    there with the factory's initial values.
 
     A missing key is checked before the factory runs: it must be a non-empty ``str`` without
     ``"."`` that is not already an attribute of the dict (such as ``"training"`` or
@@ -33,11 +50,14 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
     the call raises and the dict is left exactly as it was.
 
     Loading a state dict creates the entries it names through the factory before their
-    tensors are loaded, so ``fresh.load_state_dict(trained.state_dict(), strict=True)``
-    restores a checkpoint into a newly built model. Like ``load_state_dict`` itself, a load
-    that fails part way (a shape mismatch, say) is not rolled back: the entries it created
-    stay. Wrappers such as DDP or FSDP only manage the parameters that exist when they wrap,
-    so create entries (or restore the checkpoint) before wrapping.
+    tensors are loaded (after the dict's own load pre-hooks, which may rename keys), so
+    ``fresh.load_state_dict(trained.state_dict(), strict=True)`` restores a checkpoint into
+    a newly built model. Like ``load_state_dict`` itself, a load that fails part way (a
+    shape mismatch, say) is not rolled back: the entries it created stay. Wrappers such as
+    DDP or FSDP only manage the parameters that exist when they wrap, so create entries (or
+    restore the checkpoint) before wrapping: see
+    [`create_entries`][toolkit.nn.create_entries] and
+    [`sync_entries`][toolkit.nn.sync_entries].
 
     Inside ``torch.compile``, reading an existing key compiles to a plain lookup. A miss
     mutates the module tree, which a compiled graph cannot do: with ``fullgraph=True`` it
@@ -53,12 +73,14 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
             missing items will raise a KeyError.
         *args: At most one initial mapping from names to modules, or iterable of
             ``(name, module)`` pairs, as ``torch.nn.ModuleDict`` and
-            ``collections.defaultdict`` take. Its order is kept.
+            ``collections.defaultdict`` take. Its order is kept. None is no entries.
         **kwargs: Initial dictionary values, inserted after those of ``*args``.
 
     Raises:
-        TypeError: If ``default_factory`` is neither callable nor None, if more than one
-            positional mapping is given, or if an initial value is not a Module.
+        TypeError: If ``default_factory`` is neither callable nor None, or is a mapping or
+            a ``torch.nn.ModuleDict`` (the initial entries go second:
+            ``ModuleDefaultDict(None, mapping)``), if more than one positional mapping is
+            given, or if an initial value is not a Module.
 
     Added in version v3.58.0.
 
@@ -76,6 +98,12 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         False
     """
 
+    # TorchScript compiles properties unless told not to, and cannot type the factory; like
+    # nn.ModuleDict, a scripted dict only looks entries up.
+    __jit_unused_properties__: ClassVar[list[str]] = ["default_factory"]
+    # Where new entries go. A class default, so that dicts pickled before it existed still load.
+    _entry_placement: EntryPlacement = UNMOVED
+
     if TYPE_CHECKING:
         _modules: dict[str, ModuleT]  # type: ignore[assignment]
 
@@ -87,7 +115,7 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
     def __init__(
         self,
         default_factory: Callable[[], ModuleT] | None = None,
-        *args: Mapping[str, ModuleT] | Iterable[tuple[str, ModuleT]],
+        *args: Mapping[str, ModuleT] | Iterable[tuple[str, ModuleT]] | None,
         **kwargs: ModuleT,
     ) -> None:
         if len(args) > 1:
@@ -99,14 +127,16 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         super().__init__()
         self.__dict__["_default_factory"] = default_factory
         for initial in (*args, kwargs):
-            nn.ModuleDict.update(self, initial)  # type: ignore[arg-type]
+            if initial is not None:
+                nn.ModuleDict.update(self, initial)  # type: ignore[arg-type]
 
     @property
     def default_factory(self) -> Callable[[], ModuleT] | None:
         """The no argument constructor that ``d[key]`` calls for a missing key, or None.
 
-        Assigning a value that is neither callable nor None raises TypeError and keeps the
-        previous factory.
+        Assigning a value that is neither callable nor None, or a mapping or
+        ``torch.nn.ModuleDict``, raises TypeError and keeps the previous factory. Assigning
+        None closes the dict: a miss then raises KeyError.
         """
         return self.__dict__["_default_factory"]  # type: ignore[no-any-return]
 
@@ -152,7 +182,8 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
 
         ``__getitem__`` calls this for a key that is not present, as ``dict`` does. The
         key is checked before the factory is called, and the factory's result after; on any
-        failure nothing is inserted.
+        failure nothing is inserted. The new module is then moved and cast as the dict was,
+        and set to the dict's training mode, before it is registered.
 
         Args:
             key: The missing name.
@@ -176,6 +207,8 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
                 f"{module!r} (type {type(module).__name__}) for key {key!r}; "
                 "it must return an nn.Module instance"
             )
+        self._entry_placement.apply(module)
+        module.train(self.training)
         self.add_module(key, module)
         return module
 
@@ -198,21 +231,53 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         """
         return self._modules.get(key, default)
 
-    def pop(self, key: str) -> ModuleT:
-        """Remove ``key`` and return its module, as ``torch.nn.ModuleDict.pop`` does.
+    @overload
+    def pop(self, key: str) -> ModuleT: ...
+    @overload
+    def pop(self, key: str, default: ModuleT | _T) -> ModuleT | _T: ...
 
-        Unlike ``d[key]``, it never calls the factory.
+    def pop(self, key: str, default: object = _MISSING) -> object:
+        """Remove ``key`` and return its module, or ``default`` if given, as ``dict.pop`` does.
+
+        Unlike ``d[key]``, it never calls the factory. Without ``default`` it is
+        ``torch.nn.ModuleDict.pop``.
 
         Args:
             key: The name of the module to remove.
+            default: What to return when ``key`` is missing.
 
         Returns:
-            The removed module.
+            The removed module, or ``default``.
 
         Raises:
-            KeyError: If ``key`` is missing; ``args`` is ``(key,)``.
+            KeyError: If ``key`` is missing and no ``default`` is given; ``args`` is
+                ``(key,)``.
         """
-        return self._modules.pop(key)
+        if default is _MISSING:
+            return self._modules.pop(key)
+        return self._modules.pop(key, default)
+
+    def setdefault(self, key: str, default: ModuleT) -> ModuleT:
+        """Return the module for ``key``, first inserting ``default`` if missing, as ``dict`` does.
+
+        It never calls the factory: ``default`` is the module inserted.
+
+        Args:
+            key: The name of the module.
+            default: The module to insert under ``key`` if it is missing.
+
+        Returns:
+            The module now stored under ``key``.
+
+        Raises:
+            KeyError: If ``key`` is missing and not a valid module name, as for
+                ``d[key] = default``.
+            TypeError: If ``key`` is missing and ``default`` is not a Module, as for
+                ``d[key] = default``.
+        """
+        if key not in self._modules:
+            self[key] = default
+        return self._modules[key]
 
     def update(self, modules: Mapping[str, ModuleT] | Iterable[tuple[str, ModuleT]]) -> None:  # type: ignore[override]
         """Insert or overwrite entries, as ``torch.nn.ModuleDict.update`` does.
@@ -233,8 +298,46 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
             raise
 
     def extra_repr(self) -> str:
-        """Show the factory, as the repr of ``collections.defaultdict`` does."""
-        return f"default_factory={self.default_factory!r}"
+        """Show the factory, as the repr of ``collections.defaultdict`` does.
+
+        A factory whose repr shows the dict again, such as a bound method of the model that
+        holds the dict, shows as ``...`` there, as in ``defaultdict``'s repr.
+        """
+        return f"default_factory={self._factory_repr()}"
+
+    @reprlib.recursive_repr()
+    def _factory_repr(self) -> str:
+        return repr(self.default_factory)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
+        # Every move or cast of a module reaches its children through _apply, whether it was
+        # called on the dict or on a model above it. Keep its net effect for entries created
+        # later; learn it first, so that a conversion that fails changes nothing here. One
+        # that does not recurse (to_empty(recurse=False)) leaves the entries, and so new ones,
+        # alone.
+        placement = self._entry_placement.after(fn) if recurse else self._entry_placement
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        self._entry_placement = placement
+        return self
+
+    def _create_entries(self, keys: Iterable[str], prefix: str) -> list[str]:
+        """Create the missing entries that ``keys``, state-dict keys under ``prefix``, name.
+
+        This is the one place where entries are created from state-dict keys: loading and
+        [`create_entries`][toolkit.nn.create_entries] both call it. Names that cannot be entries are
+        left alone; a load reports their keys as unexpected.
+
+        Returns:
+            The names of the entries created, in key order.
+        """
+        if self.default_factory is None:
+            return []
+        created = []
+        for name in _child_names(keys, prefix):
+            if name not in self._modules and _is_valid_new_key(self, name):
+                self.__missing__(name)
+                created.append(name)
+        return created
 
     def _check_new_key(self, key: object) -> None:
         if not isinstance(key, str):
@@ -266,18 +369,39 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         error_msgs: list[str],
     ) -> None:
         # Module.load_state_dict loads a module before walking its children, so entries
-        # created here are loaded like the others. Names that cannot be entries are left
-        # alone and reach the caller as unexpected keys.
-        if self.default_factory is not None:
-            for name in _child_names(state_dict, prefix):
-                if name not in self._modules and _is_valid_new_key(self, name):
-                    self.__missing__(name)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        # created here are loaded like the others. They are created by a load pre-hook
+        # registered for this load only, after the dict's own pre-hooks, so that a hook
+        # renaming old keys runs before the keys name the entries.
+        handle = self.register_load_state_dict_pre_hook(_create_loaded_entries)  # type: ignore[no-untyped-call]
+        try:
+            super()._load_from_state_dict(
+                state_dict,
+                prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
+                error_msgs,
+            )
+        finally:
+            handle.remove()
+
+
+def _create_loaded_entries(
+    module: ModuleDefaultDict[Any], state_dict: Mapping[str, Any], prefix: str, *_: object
+) -> None:
+    module._create_entries(state_dict, prefix)
 
 
 def _check_factory(factory: object) -> None:
+    if isinstance(factory, (Mapping, nn.ModuleDict)):
+        # Every Module is callable, so converting nn.ModuleDict(x) to ModuleDefaultDict(x)
+        # would silently take x for the factory and drop its entries.
+        raise TypeError(
+            f"ModuleDefaultDict.default_factory must build a new Module, got a "
+            f"{type(factory).__name__}; to start from a mapping's entries, pass it second: "
+            "ModuleDefaultDict(None, mapping) or ModuleDefaultDict(factory, mapping)"
+        )
     if factory is not None and not callable(factory):
         raise TypeError(
             f"ModuleDefaultDict.default_factory must be callable or None, got "
@@ -286,10 +410,10 @@ def _check_factory(factory: object) -> None:
         )
 
 
-def _child_names(state_dict: Mapping[str, Any], prefix: str) -> dict[str, None]:
+def _child_names(keys: Iterable[str], prefix: str) -> dict[str, None]:
     """The first name after ``prefix`` in each key that has a further part, in key order."""
     names: dict[str, None] = {}
-    for key in state_dict:
+    for key in keys:
         if key.startswith(prefix):
             head, dot, _ = key[len(prefix) :].partition(".")
             if dot:

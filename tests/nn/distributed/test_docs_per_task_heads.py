@@ -1,0 +1,40 @@
+"""The multi-rank examples of docs/per-task-heads.md run on two gloo ranks.
+
+Its ```py blocks form one ``torchrun`` script, run here in order, in one namespace, on two
+ranks; its ```python blocks run in a single process in the generic docs test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.nn.distributed import workers
+from tests.nn.distributed.launch import run_ranks
+from tests.nn.distributed.pages import DOCS, blocks, fences
+
+PAGE = DOCS / "per-task-heads.md"
+TIMEOUT = 120.0
+
+
+@pytest.fixture(scope="module")
+def namespaces() -> list[dict[str, object]]:
+    return run_ranks(workers.run_script, 2, blocks(PAGE, "py"), str(PAGE), timeout=TIMEOUT)
+
+
+def test_the_page_has_multi_rank_blocks_and_single_process_blocks() -> None:
+    kinds = fences(PAGE)
+    assert kinds.count("py") == 4
+    assert set(kinds) == {"py", "python"}
+
+
+def test_the_lifecycle_runs_on_two_ranks_and_the_ranks_agree(
+    namespaces: list[dict[str, object]],
+) -> None:
+    rank0, rank1 = namespaces
+    assert rank0["created"] == ["heads.language"]
+    assert rank1["created"] == ["heads.topic"]
+    for namespace in namespaces:
+        assert namespace["heads"] == ["sentiment", "spam", "topic", "language"]
+        assert namespace["saved_heads"] == ["language", "sentiment", "spam", "topic"]
+        assert namespace["closed"] is True
+    assert rank0["topic_sum"] == rank1["topic_sum"]

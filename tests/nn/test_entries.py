@@ -1,0 +1,232 @@
+"""create_entries in one process, a DCP resume end to end, and what both functions refuse.
+
+The multi-rank behaviour of sync_entries and the two-rank FSDP2 resume are checked in
+``tests/nn/distributed/entries_checks.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from toolkit.nn import ModuleDefaultDict, create_entries, sync_entries
+
+
+class Inner(nn.Module):
+    """An entry that holds a dict of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+        self.inner = ModuleDefaultDict(functools.partial(nn.Linear, 2, 2))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(2, 2)
+        self.heads = ModuleDefaultDict(functools.partial(nn.Linear, 2, 2))
+        self.outer = ModuleDefaultDict(Inner)
+        self.closed = ModuleDefaultDict(None, {"kept": nn.Linear(2, 2)})
+
+
+def test_creates_the_named_entries_nested_ones_included_in_key_order() -> None:
+    model = Model()
+    keys = [
+        "trunk.weight",
+        "heads.b.weight",
+        "outer.x.inner.y.bias",
+        "heads.a.bias",
+        "heads.b.bias",
+        "outer.x.proj.weight",
+    ]
+    assert create_entries(model, keys) == ["heads.b", "outer.x", "outer.x.inner.y", "heads.a"]
+    assert list(model.heads) == ["b", "a"]
+    assert list(model.outer) == ["x"]
+    assert list(model.outer["x"].inner) == ["y"]
+    assert create_entries(model, keys) == []
+
+
+def test_the_prefix_is_stripped_and_keys_without_it_are_ignored() -> None:
+    model = Model()
+    keys = ["model.heads.a.weight", "optim.heads.b.weight", "heads.c.weight"]
+    assert create_entries(model, keys, prefix="model.") == ["heads.a"]
+    assert list(model.heads) == ["a"]
+
+
+def test_a_prefix_without_a_final_dot_is_an_error_naming_the_fix() -> None:
+    model = Model()
+    message = (
+        "create_entries prefix 'model' must end with '.', as state-dict keys separate names "
+        "with it; pass prefix='model.'"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        create_entries(model, ["model.heads.a.weight"], prefix="model")
+    assert list(model.heads) == []
+
+
+def test_the_module_itself_can_be_the_dict() -> None:
+    heads = ModuleDefaultDict(functools.partial(nn.Linear, 2, 2))
+    assert create_entries(heads, ["a.weight", "b.bias", "weight"]) == ["a", "b"]
+
+
+def test_names_that_cannot_be_entries_and_closed_dicts_create_nothing() -> None:
+    model = Model()
+    keys = ["heads.training.weight", "heads.weight", "closed.new.weight", "trunk.x.weight"]
+    assert create_entries(model, keys) == []
+    assert list(model.heads) == []
+    assert list(model.closed) == ["kept"]
+
+
+def test_creates_exactly_the_entries_a_load_creates() -> None:
+    trained = Model()
+    for name in ("c", "a"):
+        trained.heads[name]
+    trained.outer["x"].inner["y"]
+    keys = list(trained.state_dict())
+    by_load, by_keys = Model(), Model()
+    by_load.load_state_dict(trained.state_dict())
+    create_entries(by_keys, keys)
+    assert list(by_keys.state_dict()) == list(by_load.state_dict()) == keys
+
+
+def test_created_entries_follow_the_dict() -> None:
+    model = Model().to(torch.float64).eval()
+    create_entries(model, ["heads.a.weight"])
+    assert model.heads["a"].weight.dtype == torch.float64
+    assert not model.heads["a"].training
+
+
+# A DCP resume in one process ----------------------------------------------------------------
+
+
+def _train(model: Model) -> None:
+    for name in ("alpha", "beta"):
+        model.heads[name]
+    model.outer["x"].inner["y"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(4, 2)
+    loss = sum(m(x).sum() for m in (model.heads["alpha"], model.heads["beta"], model.trunk))
+    loss.backward()
+    opt.step()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP warns that no process group is set
+def test_a_dcp_resume_into_a_fresh_model_restores_every_entry(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    trained = Model()
+    _train(trained)
+    dcp.save({"model": trained.state_dict()}, checkpoint_id=tmp_path)
+
+    torch.manual_seed(1)
+    fresh = Model()
+    metadata = dcp.FileSystemReader(tmp_path).read_metadata()
+    created = create_entries(fresh, metadata.state_dict_metadata, prefix="model.")
+    assert created == ["heads.alpha", "heads.beta", "outer.x", "outer.x.inner.y"]
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=tmp_path)
+    fresh.load_state_dict(state["model"], strict=True)
+
+    assert list(fresh.state_dict()) == list(trained.state_dict())
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_without_create_entries_a_dcp_resume_loses_the_entries(tmp_path: Path) -> None:
+    """The failure create_entries exists for: the plain recipe resumes with no heads."""
+    trained = Model()
+    _train(trained)
+    dcp.save({"model": trained.state_dict()}, checkpoint_id=tmp_path)
+    fresh = Model()
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=tmp_path)
+    fresh.load_state_dict(state["model"], strict=True)
+    assert list(fresh.heads) == []
+
+
+# Wrapped models are refused -------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A one-rank gloo group in this process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+WRAPPED = {
+    "ddp": (
+        DistributedDataParallel,
+        "is wrapped by DistributedDataParallel, which only manages the parameters that existed "
+        "when it wrapped; create the entries before wrapping",
+    ),
+    "fully_shard": (
+        fully_shard,
+        "is wrapped by FSDPModel, which only manages the parameters that existed when it "
+        "wrapped; create the entries before wrapping",
+    ),
+}
+
+
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize("kind", sorted(WRAPPED))
+def test_both_refuse_a_wrapped_model_naming_the_wrapper(kind: str) -> None:
+    wrap, reason = WRAPPED[kind]
+    model = Model()
+    model.heads["a"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = wrap(model)
+    message = f"create_entries: the module {reason}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        create_entries(wrapped, ["heads.b.weight"])
+    message = f"sync_entries: rank 0: the module {reason}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        sync_entries(wrapped)
+    assert list(model.heads) == ["a"]
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_submodule_of_a_sharded_model_is_refused_for_its_dtensors() -> None:
+    model = Model()
+    model.heads["a"]
+    fully_shard(model)
+    message = (
+        "create_entries: parameter a.weight is a DTensor: the model is already sharded; "
+        "create the entries before fully_shard"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        create_entries(model.heads, ["b.weight"])
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_on_one_rank_sync_entries_creates_nothing_and_keeps_the_values() -> None:
+    model = Model()
+    model.heads["a"]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert sync_entries(model) == []
+    for name, tensor in before.items():
+        assert torch.equal(model.state_dict()[name], tensor)
+
+
+def test_a_factory_returning_a_non_module_is_a_type_error() -> None:
+    model = nn.Module()
+    model.heads = ModuleDefaultDict(lambda: 3)  # type: ignore[arg-type,return-value]
+    with pytest.raises(TypeError, match=r"it must return an nn\.Module instance$"):
+        create_entries(model, ["heads.a.weight"])
+    assert list(model.heads) == []
