@@ -23,4 +23,10 @@ def test_toolkit_is_a_namespace_package() -> None:
 
 
 def test_public_api() -> None:
-    assert toolkit.nn.__all__ == ["ModuleDefaultDict", "TiedLinear", "__version__"]
+    assert toolkit.nn.__all__ == [
+        "ModuleDefaultDict",
+        "PipelineTie",
+        "TiedLinear",
+        "__version__",
+        "pipeline_clip_grad_norm_",
+    ]
