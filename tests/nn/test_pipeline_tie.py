@@ -215,3 +215,29 @@ def test_without_the_gradient_sum_the_copies_drift_apart() -> None:
     result = looped_training(sum_grads=False)
     with pytest.raises(RuntimeError, match=re.escape("copies of the tied weight 'emb.weight'")):
         result["tie"].check()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clipping_counts_the_tied_weight_once(norm_type: float) -> None:
+    first, last = two_stages()
+    tie = PipelineTie([first, last])
+    torch.manual_seed(3)
+    for param in [*first.parameters(), *last.parameters()]:
+        param.grad = torch.randn_like(param)
+    last.emb.weight.grad = first.emb.weight.grad.clone()  # as after reduce_grads
+    # The whole model's parameters, each once: the first stage's, then the last's others.
+    (emb_name, _), *others = last.named_parameters()
+    assert emb_name == "emb.weight"
+    unique = [*first.parameters(), *(p for _, p in others)]
+    whole = [p.detach().clone().requires_grad_() for p in unique]
+    for param, copy in zip(unique, whole, strict=True):
+        copy.grad = param.grad.clone()  # type: ignore[union-attr]
+    expected = torch.nn.utils.clip_grad_norm_(whole, 0.5, norm_type)
+    assert expected > 0.5
+    norm = pipeline_clip_grad_norm_(
+        [*first.parameters(), *last.parameters()], 0.5, norm_type, tie=tie
+    )
+    torch.testing.assert_close(norm, expected)
+    for param, copy in zip(unique, whole, strict=True):
+        torch.testing.assert_close(param.grad, copy.grad)
+    torch.testing.assert_close(last.emb.weight.grad, first.emb.weight.grad)

@@ -38,7 +38,7 @@ from tests.nn.distributed.pipeline_lm import (
     whole_model,
 )
 from tests.nn.distributed.tiny_lm import LR, batches, initial_state, loss_fn
-from toolkit.nn import PipelineTie, pipeline_clip_grad_norm_
+from toolkit.nn import PipelineTie, TiedLinear, pipeline_clip_grad_norm_
 
 WORLD_SIZES = (2, 4)
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -60,6 +60,8 @@ class Pipeline:
             self.dp_rank, replicas = mesh["dp"].get_local_rank(), world // 2
         self.replicas = replicas
         self.stage = split(whole_model(initial_state(seed=seed)), self.pp_rank, 2)
+        if self.pp_rank == 1:  # set-up must replace this copy by the first stage's
+            self.stage.emb.weight.data.add_(1.0)
         module: nn.Module = self.stage
         if dp == "ddp":
             # With several microbatches, DDP's first-iteration bucket rebuild counts every
@@ -147,6 +149,31 @@ def refused() -> str:
     raise AssertionError("PipelineTie accepted a head reading an unregistered embedding")
 
 
+def refused_without_a_copy() -> str:
+    """Rank 0's stage holds no module at the name rank 1's head reads: every rank's error."""
+    stage = split(whole_model(initial_state()), dist.get_rank(), 2)
+    if dist.get_rank() == 0:
+        stage.emb = None  # type: ignore[assignment]
+    try:
+        PipelineTie(stage)
+    except ValueError as error:
+        return str(error)
+    raise AssertionError("PipelineTie accepted a rank of the group without a copy")
+
+
+def refused_shapes() -> str:
+    """Rank 1's copy has another vocabulary: every rank's error."""
+    stage = split(whole_model(initial_state()), dist.get_rank(), 2)
+    if dist.get_rank() == 1:
+        stage.emb = nn.Embedding(5, 8)
+        stage.out.head = TiedLinear(stage.emb)
+    try:
+        PipelineTie(stage)
+    except ValueError as error:
+        return str(error)
+    raise AssertionError("PipelineTie accepted copies of different shapes")
+
+
 def checkpoint(checkpoint_dir: Path) -> dict[str, Any]:
     """Train one step, save with DCP, resume in fresh stages; export the whole model."""
     path = checkpoint_dir / "pipeline"
@@ -219,6 +246,8 @@ def checks(world_size: int, checkpoint_dir: Path) -> dict[str, Callable[[], Any]
             "pipeline/1f1b": lambda: train("1f1b", None),
             "pipeline/gpipe_without_sum": lambda: train("gpipe", None, sum_grads=False),
             "pipeline/refused": refused,
+            "pipeline/refused_without_a_copy": refused_without_a_copy,
+            "pipeline/refused_shapes": refused_shapes,
             "pipeline/checkpoint": lambda: checkpoint(checkpoint_dir),
         }
     if world_size == 4:

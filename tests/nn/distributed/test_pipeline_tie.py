@@ -95,6 +95,25 @@ def test_every_rank_refuses_a_head_reading_an_unregistered_embedding(worlds: Wor
         )
 
 
+def test_every_rank_refuses_a_rank_of_the_group_without_a_copy(worlds: Worlds) -> None:
+    for message in per_rank(worlds, 2, "pipeline/refused_without_a_copy"):
+        assert message == (
+            "PipelineTie refused group rank 0's stages: none of its 1 stage(s) has a module "
+            "'emb', which the group ties; keep the tied module registered under its name in "
+            "the whole model in every stage that holds a copy, and leave ranks without a copy "
+            "out of the group"
+        )
+
+
+def test_every_rank_refuses_copies_of_different_shapes(worlds: Worlds) -> None:
+    for message in per_rank(worlds, 2, "pipeline/refused_shapes"):
+        assert message == (
+            "PipelineTie needs every copy of the tied weights to have one shape, but group "
+            "rank 0 has {'emb': (17, 8)} and group rank 1 has {'emb': (5, 8)}; build every "
+            "stage from the same model"
+        )
+
+
 def test_dcp_stores_the_tied_weight_once(worlds: Worlds) -> None:
     result = per_rank(worlds, 2, "pipeline/checkpoint")[0]
     assert result["chunks"]["emb.weight"] == [((0, 0), (17, 8))]

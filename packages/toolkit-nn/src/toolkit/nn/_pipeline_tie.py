@@ -31,13 +31,13 @@ class PipelineTie:
     * At set-up it refuses a stage whose TiedLinear reads a module that is not registered
       in that stage (such a weight would be in neither ``parameters()`` nor
       ``state_dict()``: never trained, synchronised or saved), and makes the copies equal
-      by broadcasting the first one (:meth:`broadcast`).
-    * :meth:`reduce_grads`, called after the pipeline schedule's ``step`` and before
+      by broadcasting the first one (``broadcast()``).
+    * ``reduce_grads()``, called after the pipeline schedule's ``step`` and before
       clipping and the optimizer step, sums the copies' gradients, so that every copy holds
       the gradient of the single-process model and takes the same update: one
       ``all_reduce`` per tied weight per step, none when one rank holds every copy (looped
       and V-shaped schedules put several stages on one rank).
-    * :meth:`check` verifies the copies agree and names the first difference.
+    * ``check()`` verifies the copies agree and names the first difference.
 
     The sum comes after the data-parallel reduction, which the schedule's ``step`` already
     ran: DDP all-reduces (averages) each copy's gradient within its own replica group and
@@ -49,8 +49,8 @@ class PipelineTie:
     reduce-scatter split one flat buffer per stage, so the two copies' shards covered
     different parts of the weight.)
 
-    The copy used as the source of :meth:`broadcast` and counted by
-    :func:`pipeline_clip_grad_norm_` is the first copy of group rank 0: list the ranks of
+    The copy used as the source of ``broadcast()`` and counted by
+    ``pipeline_clip_grad_norm_`` is the first copy of group rank 0: list the ranks of
     ``group`` in stage order so that it is the first stage's. Only the module's ``weight``
     is tied, as TiedLinear reads only the weight, so a tied module with other parameters is
     refused: their copies would differ and a checkpoint would keep one of them.
@@ -58,7 +58,7 @@ class PipelineTie:
     A DCP checkpoint stores the tied weight once: every copy has the same qualified name, and
     DCP keeps one of the identical entries that several ranks write. Loading it restores
     every copy. After any other load (``load_state_dict``, re-initialisation), call
-    :meth:`broadcast` again.
+    ``broadcast()`` again.
 
     Args:
         stages: This rank's stage modules that hold a copy of the tied module (one, or
@@ -232,8 +232,8 @@ def pipeline_clip_grad_norm_(
     The total norm is the one ``torch.nn.utils.clip_grad_norm_`` gives for the whole model
     in one process: each rank takes the norm of its stages' gradients (the full gradients
     of DTensor parameters, as ``clip_grad_norm_`` does), leaving out the duplicate copies of
-    ``tie`` (:meth:`PipelineTie.duplicates`), and the ranks of the pipeline combine theirs.
-    Call it after :meth:`PipelineTie.reduce_grads`, on every rank of the pipeline, including
+    ``tie`` (``PipelineTie.duplicates()``), and the ranks of the pipeline combine theirs.
+    Call it after ``PipelineTie.reduce_grads()``, on every rank of the pipeline, including
     the stages without a copy (they pass ``tie=None``).
 
     Args:
