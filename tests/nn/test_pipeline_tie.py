@@ -189,8 +189,8 @@ def looped_training(*, sum_grads: bool) -> dict[str, Any]:
         with CommDebugMode() as comm:
             if sum_grads:
                 tie.reduce_grads()
+            norms.append(pipeline_clip_grad_norm_(params, MAX_NORM, tie=tie).item())
         counts.append(comm.get_total_counts())
-        norms.append(pipeline_clip_grad_norm_(params, MAX_NORM, tie=tie).item())
         opt.step()
         losses.append([loss.item() for loss in step_losses])
     first, last = stages
@@ -241,3 +241,18 @@ def test_clipping_counts_the_tied_weight_once(norm_type: float) -> None:
     for param, copy in zip(unique, whole, strict=True):
         torch.testing.assert_close(param.grad, copy.grad)
     torch.testing.assert_close(last.emb.weight.grad, first.emb.weight.grad)
+
+
+def test_clipping_a_stage_without_a_copy_counts_every_parameter() -> None:
+    torch.manual_seed(4)
+    middle = nn.Linear(8, 8)
+    copy = nn.Linear(8, 8)
+    copy.load_state_dict(middle.state_dict())
+    for param, twin in zip(middle.parameters(), copy.parameters(), strict=True):
+        param.grad = torch.randn_like(param)
+        twin.grad = param.grad.clone()
+    expected = torch.nn.utils.clip_grad_norm_(copy.parameters(), 0.5)
+    assert expected > 0.5
+    torch.testing.assert_close(pipeline_clip_grad_norm_(middle.parameters(), 0.5), expected)
+    for param, twin in zip(middle.parameters(), copy.parameters(), strict=True):
+        torch.testing.assert_close(param.grad, twin.grad)

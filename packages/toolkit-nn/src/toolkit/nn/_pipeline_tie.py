@@ -257,7 +257,9 @@ def pipeline_clip_grad_norm_(
         local = local.full_tensor()  # type: ignore[attr-defined]
     total = local.detach().to(torch.float32).clone()
     pipeline = _process_group(group)
-    if math.isinf(norm_type):
+    if dist.get_world_size(pipeline) == 1:
+        pass  # one rank holds the whole pipeline: its norm is the total
+    elif math.isinf(norm_type):
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pipeline)
     else:
         total.pow_(norm_type)
