@@ -25,7 +25,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel
 
@@ -43,6 +49,11 @@ from toolkit.nn import PipelineTie, TiedLinear, pipeline_clip_grad_norm_
 WORLD_SIZES = (2, 4)
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 FULL = StateDictOptions(full_state_dict=True)
+
+
+def _counts(mode: CommDebugMode) -> dict[str, int]:
+    """The collectives ``mode`` saw, by name."""
+    return {str(op): n for op, n in mode.get_comm_counts().items()}
 
 
 class Pipeline:
@@ -73,7 +84,9 @@ class Pipeline:
         elif dp == "fsdp2":
             fully_shard(self.stage, mesh=mesh["dp"])
         # Set up on the module the stage runs, wrapped or not.
-        self.tie = PipelineTie(module, self.pp_group)
+        with CommDebugMode() as setup:
+            self.tie = PipelineTie(module, self.pp_group)
+        self.setup_collectives = _counts(setup)
         group = (
             self.pp_group.get_group() if isinstance(self.pp_group, DeviceMesh) else self.pp_group
         )
@@ -106,8 +119,8 @@ class Pipeline:
         return {
             "losses": [loss.item() for loss in losses],
             "norm": norm.item(),
-            "tie_collectives": {str(k): v for k, v in tie_comm.get_comm_counts().items()},
-            "clip_collectives": {str(k): v for k, v in clip_comm.get_comm_counts().items()},
+            "tie_collectives": _counts(tie_comm),
+            "clip_collectives": _counts(clip_comm),
         }
 
     def full_state(self) -> dict[str, torch.Tensor]:
@@ -122,17 +135,72 @@ def train(schedule: str, dp: str | None, *, sum_grads: bool = True) -> dict[str,
     steps = [
         pipeline.train_step(idx, targets, sum_grads=sum_grads) for idx, targets in batches(2, STEPS)
     ]
-    try:
-        pipeline.tie.check()
-        check = None
-    except RuntimeError as error:
-        check = str(error)
+    with CommDebugMode() as check_comm:
+        try:
+            pipeline.tie.check()
+            check = None
+        except RuntimeError as error:
+            check = str(error)
     return {
         "pp_rank": pipeline.pp_rank,
         "dp_rank": pipeline.dp_rank,
         "steps": steps,
         "state": pipeline.full_state(),
         "check": check,
+        "setup_collectives": pipeline.setup_collectives,
+        "check_collectives": _counts(check_comm),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def train_looped(kind: str) -> dict[str, Any]:
+    """Four stages on two ranks: interleaved (stages r, r + 2) or V-shaped (r, 3 - r).
+
+    Under the V schedule rank 0 holds both copies, so its tie has a group of one rank and
+    rank 1, with no copy, has no tie; under the interleaved one each rank holds one copy.
+    """
+    start = time.perf_counter()
+    rank = dist.get_rank()
+    indices = [rank, rank + 2] if kind == "interleaved" else [rank, 3 - rank]
+    model = whole_model(initial_state())
+    stages = [split(model, i, 4) for i in indices]
+    tie_group = dist.new_group([0]) if kind == "zbv" else None  # every rank creates it
+    tie = PipelineTie(stages, tie_group) if kind == "interleaved" or rank == 0 else None
+    schedule_type = ScheduleInterleaved1F1B if kind == "interleaved" else ScheduleZBVZeroBubble
+    schedule = schedule_type(
+        [PipelineStage(s, i, 4, torch.device("cpu")) for s, i in zip(stages, indices, strict=True)],
+        n_microbatches=MICROBATCHES,
+        loss_fn=loss_fn,
+    )
+    params = [p for s in stages for p in s.parameters()]
+    opt = torch.optim.SGD(params, lr=LR)
+    steps = []
+    for idx, targets in batches(2, STEPS):
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        schedule.step(idx, target=targets, losses=losses)
+        with CommDebugMode() as tie_comm:
+            if tie is not None:
+                tie.reduce_grads()
+        norm = pipeline_clip_grad_norm_(params, MAX_NORM, tie=tie)
+        opt.step()
+        steps.append(
+            {
+                "losses": [loss.item() for loss in losses],
+                "norm": norm.item(),
+                "tie_collectives": _counts(tie_comm),
+            }
+        )
+    if tie is not None:
+        tie.check()
+    state: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        for key, value in stage.state_dict().items():
+            state.setdefault(key, value.detach().clone())
+    return {
+        "copies": [s.emb is not None for s in stages],
+        "steps": steps,
+        "state": state,
         "seconds": time.perf_counter() - start,
     }
 
@@ -245,6 +313,8 @@ def checks(world_size: int, checkpoint_dir: Path) -> dict[str, Callable[[], Any]
             "pipeline/gpipe": lambda: train("gpipe", None),
             "pipeline/1f1b": lambda: train("1f1b", None),
             "pipeline/gpipe_without_sum": lambda: train("gpipe", None, sum_grads=False),
+            "pipeline/interleaved": lambda: train_looped("interleaved"),
+            "pipeline/zbv": lambda: train_looped("zbv"),
             "pipeline/refused": refused,
             "pipeline/refused_without_a_copy": refused_without_a_copy,
             "pipeline/refused_shapes": refused_shapes,

@@ -74,6 +74,36 @@ def test_the_tie_adds_one_all_reduce_per_step(worlds: Worlds, world_size: int, s
             assert step["clip_collectives"] == expected
 
 
+def test_set_up_and_the_check_cost_what_the_page_states(worlds: Worlds) -> None:
+    for result in per_rank(worlds, 2, "pipeline/gpipe"):
+        # Two all_gather_object calls (each gathers the sizes, then the data) and the
+        # broadcast of the first stage's copy; the check: one broadcast, one all_gather_object.
+        assert result["setup_collectives"] == {"c10d.allgather_": 4, "c10d.broadcast_": 1}
+        assert result["check_collectives"] == {"c10d.allgather_": 2, "c10d.broadcast_": 1}
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "zbv"])
+def test_several_stages_per_rank_train_as_one_model(
+    worlds: Worlds, references: dict[int, dict[str, Any]], kind: str
+) -> None:
+    expected = references[1]
+    first, last = per_rank(worlds, 2, f"pipeline/{kind}")
+    if kind == "interleaved":  # stages 0 and 2 on rank 0, 1 and 3 on rank 1: one copy each
+        assert (first["copies"], last["copies"]) == ([True, False], [False, True])
+        tie = {"c10d.allreduce_": 1}
+    else:  # stages 0 and 3 on rank 0: both copies on one rank, no communication
+        assert (first["copies"], last["copies"]) == ([True, True], [False, False])
+        tie = {}
+    losses = first if kind == "zbv" else last  # the rank of the last stage
+    assert_close([step["losses"] for step in losses["steps"]], expected["losses"])
+    for result in (first, last):
+        assert_close([step["norm"] for step in result["steps"]], expected["norms"])
+        assert all(step["tie_collectives"] == tie for step in result["steps"])
+        for key, value in result["state"].items():
+            assert_close(value, expected["state"][key], msg=key)
+    assert set(first["state"]) | set(last["state"]) == set(ReferenceLM().state_dict())
+
+
 def test_without_the_gradient_sum_the_copies_drift_apart(worlds: Worlds) -> None:
     for result in per_rank(worlds, 2, "pipeline/gpipe_without_sum"):
         assert result["check"] is not None
