@@ -97,6 +97,27 @@ def test_a_tied_module_with_more_than_its_weight_is_refused() -> None:
     )
 
 
+class BufferWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.ones(3, 4))
+
+
+class BufferTied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = BufferWeight()
+        self.head = TiedLinear(self.table)
+
+
+def test_a_tied_module_whose_weight_is_not_a_parameter_is_refused() -> None:
+    assert refused(BufferTied()) == (
+        "PipelineTie refused group rank 0's stages: its tied module 'table' (BufferWeight()) "
+        "has a weight that is not a Parameter but a Tensor; the stages share a trained weight, "
+        "so tie to a module whose weight is a registered Parameter"
+    )
+
+
 def test_copies_of_different_shapes_on_one_rank_are_refused() -> None:
     first, last = two_stages()
     last.emb = nn.Embedding(5, 8)

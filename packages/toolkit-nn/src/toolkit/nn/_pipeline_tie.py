@@ -349,8 +349,14 @@ def _copies_problem(
                     "to a module whose only parameter is the weight",
                     {},
                 )
-            if not isinstance(getattr(copy, "weight", None), nn.Parameter):
-                return f"its tied module '{name}' has no weight Parameter", {}
+            weight = getattr(copy, "weight", None)
+            if not isinstance(weight, nn.Parameter):
+                return (
+                    f"its tied module '{name}' ({_describe(copy)}) has a weight that is not a "
+                    f"Parameter but a {type(weight).__name__}; the stages share a trained "
+                    "weight, so tie to a module whose weight is a registered Parameter",
+                    {},
+                )
         shapes[name] = tuple(_weight(copies[0]).shape)
         for copy in copies[1:]:
             if tuple(_weight(copy).shape) != shapes[name]:
