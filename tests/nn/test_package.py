@@ -25,9 +25,11 @@ def test_toolkit_is_a_namespace_package() -> None:
 def test_public_api() -> None:
     assert toolkit.nn.__all__ == [
         "ModuleDefaultDict",
+        "PipelineTie",
         "TiedLinear",
         "TiedLinearParallel",
         "__version__",
         "create_entries",
+        "pipeline_clip_grad_norm_",
         "sync_entries",
     ]

@@ -332,6 +332,7 @@ def fsdp1_without_device_id() -> str:
 CHECK_MODULES: tuple[str, ...] = (
     "tests.nn.distributed.tp_checks",
     "tests.nn.distributed.entries_checks",
+    "tests.nn.distributed.pipeline_checks",
 )
 
 

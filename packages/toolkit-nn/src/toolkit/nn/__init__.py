@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 from toolkit.nn._entries import create_entries, sync_entries
 from toolkit.nn._module_default_dict import ModuleDefaultDict
+from toolkit.nn._pipeline_tie import PipelineTie, pipeline_clip_grad_norm_
 from toolkit.nn._tied_linear import TiedLinear
 
 if TYPE_CHECKING:
@@ -17,10 +18,12 @@ except PackageNotFoundError:  # pragma: no cover - only when run from an uninsta
 
 __all__ = [
     "ModuleDefaultDict",
+    "PipelineTie",
     "TiedLinear",
     "TiedLinearParallel",
     "__version__",
     "create_entries",
+    "pipeline_clip_grad_norm_",
     "sync_entries",
 ]
 
