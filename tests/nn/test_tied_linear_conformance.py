@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from benchmarks.torchtune_reference import load_tied_linear
-from toolkit.nn import TiedLinear
+from toolkit.nn import TiedLinear, _tied_linear
 
 # No weight: AttributeError, whatever the type -----------------------------------------------
 
@@ -80,6 +80,10 @@ class _PropertyOverParameter(nn.Embedding):
         if raw is None:  # while nn.Embedding.__init__ registers it
             raise AttributeError("weight")
         return raw * self.scale
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():  # nn.Embedding's would initialise a scaled copy
+            self._parameters["weight"].normal_()  # type: ignore[union-attr]
 
 
 class _ClassAttributeOverParameter(nn.Module):
@@ -340,3 +344,28 @@ def test_an_uninitialized_lazy_weight_raises_torchs_error_when_called() -> None:
     head = TiedLinear(nn.LazyLinear(5, bias=False))
     with pytest.raises(ValueError, match=r"^Attempted to use an uninitialized parameter"):
         head(torch.randn(2, 3))
+
+
+def test_the_type_of_the_tied_module_is_examined_once_per_type() -> None:
+    """Examining a type walks its MRO; calls repeat it only when the type has changed."""
+    examine = _tied_linear._resolves_weight_plainly.__code__
+    examined: list[type] = []
+
+    def profile(frame: FrameType, event: str, _arg: object) -> None:
+        if event == "call" and frame.f_code is examine:
+            examined.append(frame.f_locals["cls"])
+
+    x = torch.randn(2, 3)
+    plain, shadowed = nn.Embedding(7, 3), _PropertyOverParameter(7, 3)
+    sys.setprofile(profile)
+    try:
+        heads = [TiedLinear(plain), TiedLinear(shadowed)]
+        for _ in range(3):
+            for head in heads:
+                head(x)
+        plain.__class__ = _PlainEmbedding
+        for _ in range(3):
+            heads[0](x)
+    finally:
+        sys.setprofile(None)
+    assert examined == [nn.Embedding, _PropertyOverParameter, _PlainEmbedding]

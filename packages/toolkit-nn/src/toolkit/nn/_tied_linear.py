@@ -75,9 +75,10 @@ class TiedLinear:
 
     tied_module: nn.Module
     linear: nn.Module
-    # The type of ``tied_module`` last found to resolve ``weight`` as ``Module.__getattr__``
-    # does (see ``_resolves_weight_plainly``); ``None`` until one is found.
+    # The types of ``tied_module`` last found to resolve ``weight`` as ``Module.__getattr__``
+    # does, and not to (see ``_resolves_weight_plainly``), so that each is examined once.
     _plain_type: type | None = None
+    _attribute_type: type | None = None
 
     def __init__(self, tied_module: nn.Module) -> None:
         try:
@@ -93,8 +94,8 @@ class TiedLinear:
         _check_weight(tied_module, weight)
         self.tied_module = tied_module
         self.linear = _Linear()
-        plain = _resolves_weight_plainly(type(tied_module))
-        self._plain_type = type(tied_module) if plain else None
+        self._plain_type = self._attribute_type = None
+        _examine_type(self, type(tied_module))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the tied linear transform.
@@ -221,10 +222,19 @@ def _resolves_weight_plainly(cls: type) -> bool:
     )
 
 
+def _examine_type(tl: TiedLinear, cls: type) -> None:
+    """Record whether ``cls`` resolves ``weight`` plainly."""
+    if _resolves_weight_plainly(cls):
+        tl._plain_type = cls
+    else:
+        tl._attribute_type = cls
+
+
 def _read_weight(tl: TiedLinear, module: nn.Module) -> torch.Tensor:
     """Read ``module.weight`` through the attribute and check it, off the fast path."""
-    if tl._plain_type is not type(module) and _resolves_weight_plainly(type(module)):
-        tl._plain_type = type(module)
+    cls = type(module)
+    if cls is not tl._attribute_type and cls is not tl._plain_type:
+        _examine_type(tl, cls)
     weight = module.weight
     # An uninitialized lazy weight raises torch's own error for it from ``dim()``.
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
