@@ -39,8 +39,9 @@ class TiedLinear:
     a real Module, so forward hooks can still be attached to observe the transform: its
     forward takes ``(x, weight)``.
 
-    The weight is checked when TiedLinear is built; to keep calls cheap it is not checked
-    again, so a weight assigned to ``tied_module`` later must also be 2-D.
+    The weight is checked when TiedLinear is built and again on every call, so a weight
+    assigned to ``tied_module`` later that is not a 2-D tensor raises instead of giving a
+    wrongly shaped output.
 
     Because the weight is owned by ``tied_module`` alone, a model's state dict has one key
     for it and no shared storage, so ``safetensors.torch.save_file`` works, and
@@ -51,8 +52,11 @@ class TiedLinear:
             used; any bias on ``tied_module`` is ignored.
 
     Raises:
-        AttributeError: If ``tied_module`` does not have a ``weight`` attribute.
-        TypeError: If ``tied_module`` is not a Module, or its ``weight`` is not a tensor.
+        AttributeError: If ``tied_module`` does not have a ``weight`` attribute. Whatever
+            ``tied_module`` is, a tensor passed in place of its module included, this is the
+            error, as it is in torchtune's ``TiedLinear``.
+        TypeError: If ``tied_module`` has a ``weight`` but is not a Module, or its
+            ``weight`` is not a tensor.
         ValueError: If ``tied_module.weight`` is not 2-D. An uninitialized lazy parameter is
             accepted; its shape is checked when it is used.
 
@@ -73,24 +77,27 @@ class TiedLinear:
 
     tied_module: nn.Module
     linear: nn.Module
+    # The types of ``tied_module`` last found to resolve ``weight`` as ``Module.__getattr__``
+    # does, and not to (see ``_resolves_weight_plainly``), so that each is examined once.
+    _plain_type: type | None = None
+    _attribute_type: type | None = None
 
     def __init__(self, tied_module: nn.Module) -> None:
-        if not isinstance(tied_module, nn.Module):
-            raise TypeError(
-                f"TiedLinear ties to an nn.Module, got {type(tied_module).__name__}; pass the "
-                "module that owns the weight (such as the nn.Embedding), not the weight itself"
-            )
         try:
             weight = tied_module.weight
         except AttributeError:
-            raise AttributeError(
-                f"TiedLinear needs a module with a 'weight' attribute to tie to, but "
-                f"{type(tied_module).__name__} has none; pass the module that owns the "
-                "shared weight, such as the token embedding"
-            ) from None
+            raise _missing_weight_error(tied_module) from None
+        if not isinstance(tied_module, nn.Module):
+            raise TypeError(
+                f"TiedLinear ties to an nn.Module, got {type(tied_module).__name__}, which has "
+                "a 'weight' but is not a Module; pass the nn.Module that owns the weight, such "
+                "as the nn.Embedding"
+            )
         _check_weight(tied_module, weight)
         self.tied_module = tied_module
         self.linear = _Linear()
+        self._plain_type = self._attribute_type = None
+        _examine_type(self, type(tied_module))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the tied linear transform.
@@ -108,14 +115,25 @@ class TiedLinear:
                 both shapes; if the weight is a sharded DTensor (FSDP2 resharded it before
                 the call), it says how to regroup the units; if tensor parallelism sharded
                 the weight but ``x`` is a plain tensor, it says how to prepare the input.
+            ValueError: If ``tied_module.weight`` is no longer 2-D (``F.linear`` would
+                accept a 1-D weight and drop the output's last dimension).
+            TypeError: If ``tied_module.weight`` is no longer a tensor.
         """
-        # A registered Parameter is exactly what ``tied_module.weight`` returns. Reading it
-        # from ``_parameters`` skips the Python-level ``Module.__getattr__``, a tenth of a
-        # small call. Any other weight (parametrized, a buffer, a plain attribute, a
-        # property) is read through the attribute as before.
-        weight: object = self.tied_module._parameters.get("weight")
+        # ``tied_module.weight`` falls back to the Python-level ``Module.__getattr__``, a
+        # tenth of a small call, which returns ``_parameters["weight"]`` when it is set.
+        # Reading that entry directly gives the same tensor only where nothing comes
+        # before the fallback: the module's type is checked for that once (its
+        # ``_plain_type``), and its instance ``__dict__`` on every call. Everything else
+        # (a buffer, a plain attribute, a property, a parametrization) is read through the
+        # attribute and checked in full.
+        module = self.tied_module
+        weight: torch.Tensor | None = None
+        if type(module) is self._plain_type and "weight" not in module.__dict__:
+            weight = module._parameters.get("weight")
         if weight is None:
-            weight = self.tied_module.weight
+            weight = _read_weight(self, module)
+        elif weight.dim() != 2:
+            raise _call_weight_error(module, weight)
         try:
             return self.linear(x, weight)  # type: ignore[no-any-return]
         except RuntimeError as error:
@@ -161,6 +179,86 @@ class TiedLinear:
 def _describe(module: nn.Module) -> str:
     """A one-line description of ``module``, such as ``Embedding(17, 8)``."""
     return f"{type(module).__name__}({module.extra_repr()})"
+
+
+def _missing_weight_error(tied_module: object) -> AttributeError:
+    """The error for a ``tied_module`` without a ``weight``: a tensor gets its own fix."""
+    owner = type(tied_module).__name__
+    if isinstance(tied_module, torch.Tensor):
+        fix = (
+            "pass the module that owns this tensor (such as the nn.Embedding), not the "
+            "tensor itself"
+        )
+    else:
+        fix = "pass the module that owns the shared weight, such as the token embedding"
+    return AttributeError(
+        f"TiedLinear needs a module with a 'weight' attribute to tie to, but {owner} has "
+        f"none; {fix}"
+    )
+
+
+# What a plain Module resolves attributes with: taken once, so that a later patch of either
+# counts as an override.
+_OBJECT_GETATTRIBUTE: object = object.__getattribute__
+_MODULE_GETATTR: object = nn.Module.__getattr__
+
+
+def _resolves_weight_plainly(cls: type) -> bool:
+    """Whether ``module.weight`` is ``Module.__getattr__``'s answer for instances of ``cls``.
+
+    ``module.weight`` looks in the type's MRO first (a property, any other descriptor or a
+    class attribute named ``weight`` wins), then in the instance ``__dict__``, and only then
+    calls ``__getattr__``, which ``Module`` implements by reading ``_parameters``,
+    ``_buffers`` and ``_modules``. A type that overrides ``__getattribute__`` or
+    ``__getattr__`` may return anything. A parametrization swaps the module's class for a
+    generated one with a ``weight`` property, so it is seen here too. The instance
+    ``__dict__`` can change at any time, so the caller checks it on every call.
+
+    The caller keeps the answer for the module's current type and asks again whenever the
+    type differs. A class that is itself changed afterwards (a ``weight`` property set on
+    the class, say) is not examined again.
+    """
+    return (
+        cls.__getattribute__ is _OBJECT_GETATTRIBUTE
+        and getattr(cls, "__getattr__", None) is _MODULE_GETATTR
+        and not any("weight" in vars(base) for base in cls.__mro__)
+    )
+
+
+def _examine_type(tl: TiedLinear, cls: type) -> None:
+    """Record whether ``cls`` resolves ``weight`` plainly."""
+    if _resolves_weight_plainly(cls):
+        tl._plain_type = cls
+    else:
+        tl._attribute_type = cls
+
+
+def _read_weight(tl: TiedLinear, module: nn.Module) -> torch.Tensor:
+    """Read ``module.weight`` through the attribute and check it, off the fast path."""
+    cls = type(module)
+    if cls is not tl._attribute_type and cls is not tl._plain_type:
+        _examine_type(tl, cls)
+    weight = module.weight
+    # An uninitialized lazy weight raises torch's own error for it from ``dim()``.
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise _call_weight_error(module, weight)
+    return weight
+
+
+def _call_weight_error(module: nn.Module, weight: object) -> Exception:
+    """The error for a weight that is not a 2-D tensor when TiedLinear is called."""
+    owner = type(module).__name__
+    if not isinstance(weight, torch.Tensor):
+        return TypeError(
+            f"TiedLinear needs {owner}.weight to be a 2-D tensor when called, got "
+            f"{type(weight).__name__}; a weight assigned to the tied module after TiedLinear "
+            "was built must be a 2-D tensor too"
+        )
+    return ValueError(
+        f"TiedLinear needs {owner}.weight to be 2-D (out_features, in_features) when "
+        f"called, got shape {tuple(weight.shape)}; a weight assigned to the tied module "
+        "after TiedLinear was built must be 2-D too"
+    )
 
 
 def _check_weight(tied_module: nn.Module, weight: object) -> None:
