@@ -26,6 +26,38 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
         assert torch.equal(actual, expected)
 
 
+# The unit roundoff of each dtype's real part: F.linear's error is bounded by it.
+EPS = {
+    torch.float64: torch.finfo(torch.float64).eps,
+    torch.float32: torch.finfo(torch.float32).eps,
+    torch.bfloat16: torch.finfo(torch.bfloat16).eps,
+    torch.float16: torch.finfo(torch.float16).eps,
+    torch.complex64: torch.finfo(torch.float32).eps,
+    torch.complex128: torch.finfo(torch.float64).eps,
+}
+
+
+def assert_matches_the_oracle(actual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``actual`` equals ``x @ w.T`` computed by ``einsum`` in double precision, not F.linear.
+
+    The inputs are exact in double precision, so the only error is ``actual``'s own rounding
+    in its dtype: each output element may be off by ``(k + 2) * eps`` times the sum of the
+    magnitudes of its ``k`` products (the standard bound for a dot product accumulated in
+    the dtype, with room for the final rounding and complex products), and by the smallest
+    normal number, for results that underflow.
+    """
+    assert actual.shape == (*x.shape[:-1], w.shape[0])
+    if actual.device.type == "meta":
+        return
+    wide = torch.complex128 if x.dtype.is_complex else torch.float64
+    x64, w64 = x.detach().cpu().to(wide), w.detach().cpu().to(wide)
+    exact = torch.einsum("...i,oi->...o", x64, w64)
+    scale = torch.einsum("...i,oi->...o", x64.abs(), w64.abs())
+    bound = (x.shape[-1] + 2) * EPS[x.dtype] * scale + torch.finfo(actual.real.dtype).tiny
+    error = (actual.detach().cpu().to(wide) - exact).abs()
+    assert bool((error <= bound).all()), f"max error {error.max()} over bound"
+
+
 def build_tied_module(case: LinearCase, kind: str) -> nn.Module:
     """An embedding or a bias-free linear whose weight is (out_features, in_features)."""
     options = {"device": case.device, "dtype": case.dtype}
@@ -45,7 +77,9 @@ tied_kinds = st.sampled_from(["embedding", "linear"])
 def test_agrees_with_f_linear_bit_for_bit(case: LinearCase, kind: str) -> None:
     tied = build_tied_module(case, kind)
     x = make_tensor(case.x_shape, case)
-    assert_same(TiedLinear(tied)(x), F.linear(x, tied.weight))
+    out = TiedLinear(tied)(x)
+    assert_same(out, F.linear(x, tied.weight))
+    assert_matches_the_oracle(out, x, tied.weight)
 
 
 @given(case=linear_cases(), kind=tied_kinds)
@@ -176,7 +210,9 @@ def test_invariants_survive_any_sequence_of_transformations(
         assert model.head.tied_module is model.emb
         assert model.head.weight is weight
         x = make_tensor(case.x_shape, case).to(weight.dtype)
-        assert_same(model.head(x), F.linear(x, weight))
+        out = model.head(x)
+        assert_same(out, F.linear(x, weight))
+        assert_matches_the_oracle(out, x, weight)
         if not case.is_meta:
             assert torch.equal(weight.detach().cpu(), ref)
 
