@@ -157,4 +157,5 @@ def mutation(session: nox.Session) -> None:
     requirements = nox.project.dependency_groups(PYPROJECT, "mutation")
     session.install(*CONSTRAINTS, *map(package_dir, PACKAGES), *requirements)
     install_torchtune_reference(session)
+    session.run("pytest", "tests/mutation", "-q")
     session.run("python", "scripts/mutation.py", *session.posargs)

@@ -5,8 +5,8 @@ when present. ``TOOLKIT_TEST_DEVICES`` (comma separated, such as ``cpu,meta``) r
 them; naming a device that is not available is an error rather than a silent skip.
 
 The draws are weighted towards real arithmetic. ``meta`` has no data, so it is one case in
-eight, and the devices with data share the rest; a zero-size dimension (an empty input or
-weight) is one case in ten; every other dimension is at least 1. Each draw records Hypothesis
+twelve, and the devices with data share the rest; a zero-size dimension (an empty input or
+weight) is one case in twelve; every other dimension is at least 1. Each draw records Hypothesis
 events (the device, the dtype, the number of input dimensions, and whether the tensors hold
 data), so ``pytest --hypothesis-show-statistics`` shows the mix. Measured with the ``ci``
 profile (100 examples per test) over ``tests/nn/test_tied_linear_laws.py`` on a CPU-only
@@ -96,7 +96,7 @@ class LinearCase:
 
 # One draw in META_ONE_IN is on ``meta`` (when it is available), one in ZERO_SIZE_ONE_IN has a
 # zero-size dimension.
-META_ONE_IN = 10
+META_ONE_IN = 12
 ZERO_SIZE_ONE_IN = 12
 
 
@@ -113,8 +113,11 @@ def devices_weighted(draw: st.DrawFn, devices: tuple[str, ...] = DEVICES) -> str
     """
     with_data = data_devices(devices)
     if not with_data or ("meta" in devices and draw(st.integers(1, META_ONE_IN)) == META_ONE_IN):
-        return "meta"
-    return draw(st.sampled_from(with_data))
+        device = "meta"
+    else:
+        device = draw(st.sampled_from(with_data))
+    event(f"device: {device}")
+    return device
 
 
 @st.composite
@@ -150,7 +153,6 @@ def linear_cases(
         else:
             lead[int(place)] = 0
     case = LinearCase(device, dtype, tuple(lead), in_features, out_features, draw(seeds))
-    event(f"device: {device}")
     event(f"dtype: {str(dtype).removeprefix('torch.')}")
     event(f"input dims: {len(case.x_shape)}")
     event(f"tensors: {case_kind(case)}")

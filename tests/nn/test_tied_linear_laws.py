@@ -13,8 +13,21 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tests.nn.models import TiedPair
-from tests.strategies import LinearCase, linear_cases, make_tensor
+from tests.strategies import DEVICES, LinearCase, linear_cases, make_tensor
 from toolkit.nn import TiedLinear
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _warm_up() -> None:
+    """Run each device's first linear and einsum here, outside Hypothesis's deadline.
+
+    The first call on a device loads its kernels, which can take seconds on a busy machine;
+    the deadline is for slow examples, not for that one-time cost.
+    """
+    for device in DEVICES:
+        x = torch.ones(2, 3, device=device)
+        F.linear(x, torch.ones(4, 3, device=device))
+    torch.einsum("...i,oi->...o", torch.ones(2, 3), torch.ones(4, 3))
 
 
 def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -15,6 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# Imported here, once, rather than in the tests: this import takes seconds, and a test that
+# paid for it would look like a hang to mutmut, which forks each mutant's worker after
+# collecting the tests.
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from toolkit.nn import TiedLinear
 
@@ -177,26 +183,24 @@ def test_the_repr_reads_features_live_and_names_the_owner() -> None:
 
 
 @pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[torch.distributed.device_mesh.DeviceMesh]:
+def one_rank(tmp_path: Path) -> Iterator[DeviceMesh]:
     """A one-rank gloo group and its CPU mesh, torn down after the test."""
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        yield torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+        yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
 
 
-def _sharded_embedding(mesh: torch.distributed.device_mesh.DeviceMesh) -> nn.Embedding:
-    from torch.distributed.tensor import Shard, distribute_tensor  # noqa: PLC0415
-
+def _sharded_embedding(mesh: DeviceMesh) -> nn.Embedding:
     emb = nn.Embedding(7, 3)
     emb.weight = nn.Parameter(distribute_tensor(emb.weight.detach(), mesh, [Shard(0)]))
     return emb
 
 
 def test_a_sharded_weight_with_a_plain_input_names_the_placement_and_every_fix(
-    one_rank: torch.distributed.device_mesh.DeviceMesh,
+    one_rank: DeviceMesh,
 ) -> None:
     head = TiedLinear(_sharded_embedding(one_rank))
     with pytest.raises(RuntimeError) as info:
@@ -216,10 +220,8 @@ def test_a_sharded_weight_with_a_plain_input_names_the_placement_and_every_fix(
 
 
 def test_a_wrong_width_with_both_input_and_weight_dtensors_is_a_shape_error(
-    one_rank: torch.distributed.device_mesh.DeviceMesh,
+    one_rank: DeviceMesh,
 ) -> None:
-    from torch.distributed.tensor import Replicate, distribute_tensor  # noqa: PLC0415
-
     head = TiedLinear(_sharded_embedding(one_rank))
     x = distribute_tensor(torch.randn(2, 4), one_rank, [Replicate()])
     with pytest.raises(RuntimeError) as info:
