@@ -307,7 +307,7 @@ def changed_sources(sources: dict[str, Path]) -> list[str]:
     ]
 
 
-def report(outcome: Outcome, equivalents: Sequence[Equivalent], seconds: float) -> bool:
+def report(outcome: Outcome, seconds: float) -> bool:
     """Print the score, the survivors and the stale entries; whether the run passed."""
     killed = len(outcome.fast_killed) + len(outcome.slow_killed)
     listed = len(outcome.equivalent)
@@ -341,48 +341,16 @@ def report(outcome: Outcome, equivalents: Sequence[Equivalent], seconds: float) 
         print(f"  function: {entry.function}\n  line:   {entry.line!r}\n  mutant: {entry.mutant!r}")
     if outcome.stale:
         print("\nRemove each stale entry, or update it to the code as it is now.")
-    del equivalents
     return not outcome.survivors and not outcome.stale
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the fast and slow passes and report; 0 if every survivor is a listed equivalent."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument(
-        "--changed",
-        action="store_true",
-        help="mutate only the source files that differ from the last recorded full run",
-    )
-    parser.add_argument(
-        "--record", action="store_true", help="after a full run that passes, record it"
-    )
-    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
-    options = parser.parse_args(argv)
-    if options.changed and options.record:
-        parser.error("--record needs a full run, not --changed")
-
-    started = time.monotonic()
-    sources = source_files()
-    selected = changed_sources(sources) if options.changed else list(sources)
-    equivalents = load_equivalents()
-    if not selected:
-        print("no source file differs from the last recorded full run: nothing to mutate")
-        return 0
-    print("mutating:", *selected, sep="\n  ")
-
-    lay_out_workspace(sources)
-    modules = [rel.removeprefix("src/").removesuffix(".py").replace("/", ".") for rel in selected]
-    patterns = [f"{module}.*" for module in modules] if options.changed else []
-    mutmut_run(patterns, options.max_children)
-    os.chdir(WORKSPACE)
-    found = read_mutants(selected)
-    # mutmut counts a mutant whose tests use far more CPU time than the clean run as a hang. A
-    # busy machine can cause that too, so each one gets a second run on its own.
-    timed_out = [name for name, (_, status) in found.items() if status == "timeout"]
-    if timed_out:
-        print(f"running the {len(timed_out)} mutants that timed out again")
-        mutmut_run(timed_out, 1)
-        found = read_mutants(selected)
+def judge(
+    found: dict[str, tuple[Mutant, str]],
+    equivalents: Sequence[Equivalent],
+    modules: Sequence[str],
+    sources: dict[str, Path],
+) -> Outcome:
+    """Sort the fast pass's mutants; run the slow tests on the unlisted ones still alive."""
     outcome = Outcome(total=len(found))
     alive: list[Mutant] = []
     for mutant, status in found.values():
@@ -412,9 +380,60 @@ def main(argv: Sequence[str] | None = None) -> int:
         for e in equivalents
         if id(e) not in used and any(e.function.startswith(f"{m}.") for m in modules)
     ]
+    return outcome
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the fast and slow passes and report; 0 if every survivor is a listed equivalent."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--changed",
+        action="store_true",
+        help="mutate only the source files that differ from the last recorded full run",
+    )
+    parser.add_argument(
+        "--record", action="store_true", help="after a full run that passes, record it"
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep the fast pass of the last run in .mutation/ and redo only what follows it, "
+        "such as after editing the equivalent list",
+    )
+    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
+    options = parser.parse_args(argv)
+    if options.record and (options.changed or options.reuse):
+        parser.error("--record needs a full run, not --changed or --reuse")
+
+    started = time.monotonic()
+    sources = source_files()
+    selected = changed_sources(sources) if options.changed else list(sources)
+    equivalents = load_equivalents()
+    if not selected:
+        print("no source file differs from the last recorded full run: nothing to mutate")
+        return 0
+    print("mutating:", *selected, sep="\n  ")
+
+    modules = [rel.removeprefix("src/").removesuffix(".py").replace("/", ".") for rel in selected]
+    if not options.reuse:
+        lay_out_workspace(sources)
+        patterns = [f"{module}.*" for module in modules] if options.changed else []
+        mutmut_run(patterns, options.max_children)
+    elif not (WORKSPACE / "mutants").is_dir():
+        parser.error("--reuse needs the results of an earlier run in .mutation/")
+    os.chdir(WORKSPACE)
+    found = read_mutants(selected)
+    # mutmut counts a mutant whose tests use far more CPU time than the clean run as a hang. A
+    # busy machine can cause that too, so each one gets a second run on its own.
+    timed_out = [name for name, (_, status) in found.items() if status == "timeout"]
+    if timed_out:
+        print(f"running the {len(timed_out)} mutants that timed out again")
+        mutmut_run(timed_out, 1)
+        found = read_mutants(selected)
+    outcome = judge(found, equivalents, modules, sources)
 
     seconds = time.monotonic() - started
-    passed = report(outcome, equivalents, seconds)
+    passed = report(outcome, seconds)
     if passed and options.record:
         record_full_run(sources, outcome, seconds)
         print(f"recorded in {FULL_RUN.relative_to(ROOT)}")
