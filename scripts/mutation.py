@@ -271,7 +271,7 @@ def load_equivalents() -> list[Equivalent]:
     ]
 
 
-def record_full_run(sources: dict[str, Path], outcome: Outcome, seconds: float) -> None:
+def record_full_run(sources: dict[str, Path], outcome: Outcome) -> None:
     """Write ``tests/mutation/full_run.toml``: the sources a full run covered, and its score."""
     lines = [
         "# Written by `nox -s mutation -- --record` after a full run that passed. The CI run",
@@ -279,7 +279,6 @@ def record_full_run(sources: dict[str, Path], outcome: Outcome, seconds: float) 
         f"mutants = {outcome.total}",
         f"killed = {len(outcome.fast_killed) + len(outcome.slow_killed)}",
         f"equivalent = {len(outcome.equivalent)}",
-        f"minutes = {seconds / 60:.1f}",
         "",
         "[sources]",
         *(f'"{sources[rel].relative_to(ROOT)}" = "{digest(sources[rel])}"' for rel in sources),
@@ -402,8 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
     options = parser.parse_args(argv)
-    if options.record and (options.changed or options.reuse):
-        parser.error("--record needs a full run, not --changed or --reuse")
+    if options.record and options.changed:
+        parser.error("--record needs a full run, not --changed")
 
     started = time.monotonic()
     sources = source_files()
@@ -421,6 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         mutmut_run(patterns, options.max_children)
     elif not (WORKSPACE / "mutants").is_dir():
         parser.error("--reuse needs the results of an earlier run in .mutation/")
+    elif options.record and any(digest(WORKSPACE / rel) != digest(p) for rel, p in sources.items()):
+        parser.error("--record --reuse needs .mutation/ to hold the sources as they are now")
     os.chdir(WORKSPACE)
     found = read_mutants(selected)
     # mutmut counts a mutant whose tests use far more CPU time than the clean run as a hang. A
@@ -435,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seconds = time.monotonic() - started
     passed = report(outcome, seconds)
     if passed and options.record:
-        record_full_run(sources, outcome, seconds)
+        record_full_run(sources, outcome)
         print(f"recorded in {FULL_RUN.relative_to(ROOT)}")
     return 0 if passed else 1
 
