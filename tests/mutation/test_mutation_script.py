@@ -91,3 +91,22 @@ def test_a_source_without_functions_is_never_selected(mutation: ModuleType, tmp_
     code.write_text("class A:\n    def f(self):\n        return 1\n")
     assert not mutation.defines_functions(plain)
     assert mutation.defines_functions(code)
+
+
+def test_a_listed_survivor_is_equivalent_and_an_unmatched_entry_is_stale(
+    mutation: ModuleType,
+) -> None:
+    listed = mutation.Equivalent("m.f", "return a + 1", "return a - 1", "why")
+    gone = mutation.Equivalent("m.g", "x = 1", "x = 2", "the code changed since")
+    elsewhere = mutation.Equivalent("other.h", "y = 1", "y = 2", "a module not mutated now")
+    alive = mutation.Mutant("m.x_f__mutmut_1", "src/m.py", "m.f", "return a + 1", "return a - 1")
+    killed = mutation.Mutant("m.x_f__mutmut_2", "src/m.py", "m.f", "return a + 1", "return a")
+    found = {alive.name: (alive, "survived"), killed.name: (killed, "killed")}
+    outcome = mutation.judge(found, [listed, gone, elsewhere], ["m"], {})
+    assert outcome.total == 2
+    assert outcome.fast_killed == [killed.name]
+    assert outcome.equivalent == [(alive, listed)]
+    assert outcome.survivors == []
+    # Only entries of the modules that were mutated can be judged stale.
+    assert outcome.stale == [gone]
+    assert not mutation.report(outcome, 0.0)
