@@ -140,3 +140,22 @@ def bump(session: nox.Session) -> None:
     if len(session.posargs) != 1:
         session.error("give the new version: nox -s bump -- X.Y.Z")
     session.run("python", "scripts/lockstep.py", "bump", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def mutation(session: nox.Session) -> None:
+    """Mutation testing of every package (``scripts/mutation.py``); not a default session.
+
+    mutmut mutates every function of ``packages/*/src`` and runs the single-process tests, then
+    the compile and multi-rank tests run against each mutant still alive. It fails on a
+    survivor missing from ``tests/mutation/equivalent.toml`` or on a stale entry there, and
+    reports the score. The packages are installed, not editable: the tests import the mutated
+    copy, which comes first on the path. Arguments after ``--`` go to the script:
+    ``--changed`` mutates only the sources that differ from the last recorded full run (CI
+    runs that), ``--record`` records a full run that passed.
+    """
+    requirements = nox.project.dependency_groups(PYPROJECT, "mutation")
+    session.install(*CONSTRAINTS, *map(package_dir, PACKAGES), *requirements)
+    install_torchtune_reference(session)
+    session.run("pytest", "tests/mutation", "-q")
+    session.run("python", "scripts/mutation.py", *session.posargs)

@@ -333,6 +333,7 @@ CHECK_MODULES: tuple[str, ...] = (
     "tests.nn.distributed.tp_checks",
     "tests.nn.distributed.entries_checks",
     "tests.nn.distributed.pipeline_checks",
+    "tests.nn.distributed.mutation_checks",
 )
 
 

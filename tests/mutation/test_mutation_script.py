@@ -1,0 +1,112 @@
+"""The parts of scripts/mutation.py that decide a verdict, and the equivalent list itself."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tomllib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def mutation() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("mutation", ROOT / "scripts" / "mutation.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mutation"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+DIFF = """\
+--- src/toolkit/nn/_x.py
++++ src/toolkit/nn/_x.py
+@@ -1,3 +1,3 @@
+ def f(a):
+-    return a + 1
++    return a - 1
+"""
+
+
+def test_a_diff_gives_its_stripped_lines_without_the_headers(mutation: ModuleType) -> None:
+    assert mutation.changed_lines(DIFF) == ("return a + 1", "return a - 1")
+
+
+def test_a_multi_line_change_joins_its_lines(mutation: ModuleType) -> None:
+    diff = DIFF.replace("-    return a + 1\n", "-    x = (\n-        'a'\n-    )\n")
+    assert mutation.changed_lines(diff) == ("x = (\n'a'\n)", "return a - 1")
+
+
+def test_an_entry_matches_function_line_and_mutant_only(mutation: ModuleType) -> None:
+    entry = mutation.Equivalent("m.f", "return a + 1", "return a - 1", "why")
+    mutant = mutation.Mutant("m.x_f__mutmut_7", "src/m.py", "m.f", "return a + 1", "return a - 1")
+    assert entry.matches(mutant)
+    # The number in mutmut's name does not matter; the function and both lines do.
+    renumbered = mutation.Mutant(
+        "m.x_f__mutmut_9", "src/m.py", "m.f", "return a + 1", "return a - 1"
+    )
+    assert entry.matches(renumbered)
+    for other in (
+        mutation.Mutant("m.x_g__mutmut_7", "src/m.py", "m.g", "return a + 1", "return a - 1"),
+        mutation.Mutant("m.x_f__mutmut_7", "src/m.py", "m.f", "return a + 2", "return a - 1"),
+        mutation.Mutant("m.x_f__mutmut_7", "src/m.py", "m.f", "return a + 1", "return a * 1"),
+    ):
+        assert not entry.matches(other)
+
+
+def test_every_listed_equivalent_is_complete_and_listed_once(mutation: ModuleType) -> None:
+    raw = tomllib.loads(mutation.EQUIVALENT.read_text()).get("equivalent", [])
+    for entry in raw:
+        assert set(entry) == {"function", "line", "mutant", "reason"}
+        assert entry["function"].startswith("toolkit.")
+        assert entry["line"] != entry["mutant"]
+        assert entry["reason"].strip()
+        assert "\n" not in entry["reason"]
+    keys = [(e["function"], e["line"], e["mutant"]) for e in raw]
+    assert len(keys) == len(set(keys))
+    assert len(mutation.load_equivalents()) == len(raw)
+
+
+def test_sources_map_every_package_file_into_one_src_tree(mutation: ModuleType) -> None:
+    sources = mutation.source_files()
+    assert "src/toolkit/nn/_tied_linear.py" in sources
+    assert "src/toolkit/nn/_module_default_dict.py" in sources
+    assert all(key.startswith("src/toolkit/") for key in sources)
+    # PEP 420: the namespace itself has no __init__.py to merge.
+    assert "src/toolkit/__init__.py" not in sources
+    for key, path in sources.items():
+        assert path.as_posix().endswith(key.removeprefix("src/"))
+
+
+def test_a_source_without_functions_is_never_selected(mutation: ModuleType, tmp_path: Path) -> None:
+    plain = tmp_path / "plain.py"
+    plain.write_text("X = 1\n__all__ = ['X']\n")
+    code = tmp_path / "code.py"
+    code.write_text("class A:\n    def f(self):\n        return 1\n")
+    assert not mutation.defines_functions(plain)
+    assert mutation.defines_functions(code)
+
+
+def test_a_listed_survivor_is_equivalent_and_an_unmatched_entry_is_stale(
+    mutation: ModuleType,
+) -> None:
+    listed = mutation.Equivalent("m.f", "return a + 1", "return a - 1", "why")
+    gone = mutation.Equivalent("m.g", "x = 1", "x = 2", "the code changed since")
+    elsewhere = mutation.Equivalent("other.h", "y = 1", "y = 2", "a module not mutated now")
+    alive = mutation.Mutant("m.x_f__mutmut_1", "src/m.py", "m.f", "return a + 1", "return a - 1")
+    killed = mutation.Mutant("m.x_f__mutmut_2", "src/m.py", "m.f", "return a + 1", "return a")
+    found = {alive.name: (alive, "survived"), killed.name: (killed, "killed")}
+    outcome = mutation.judge(found, [listed, gone, elsewhere], ["m"], {})
+    assert outcome.total == 2
+    assert outcome.fast_killed == [killed.name]
+    assert outcome.equivalent == [(alive, listed)]
+    assert outcome.survivors == []
+    # Only entries of the modules that were mutated can be judged stale.
+    assert outcome.stale == [gone]
+    assert not mutation.report(outcome, 0.0)
