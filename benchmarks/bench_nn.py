@@ -37,6 +37,8 @@ SUBJECTS: dict[str, str] = {
     "compile": "torch_compile",
     "memory": "memory",
     "dict": "module_dict",
+    "tensor-parallel": "tensor_parallel",
+    "pipeline": "pipeline",
 }
 # Sections run at --threads torch threads; every other one starts at --small-threads.
 MANY_THREADS = frozenset({"lm-head"})
