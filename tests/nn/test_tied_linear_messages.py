@@ -8,6 +8,7 @@ needs no other process; ``tests/nn/distributed`` checks it again on two ranks.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 # Imported here, once, rather than in the tests: this import takes seconds, and a test that
 # paid for it would look like a hang to mutmut, which forks each mutant's worker after
@@ -38,7 +40,11 @@ def test_a_missing_weight_names_the_type_and_the_fix_and_hides_the_lookup() -> N
 
 
 @pytest.mark.parametrize(
-    ("value", "type_name"), [(nn.Parameter(torch.ones(2, 2)), "Parameter"), (3, "int")]
+    ("value", "type_name"),
+    [
+        (types.SimpleNamespace(weight=nn.Parameter(torch.ones(2, 2))), "SimpleNamespace"),
+        (TiedLinear(nn.Embedding(2, 2)), "TiedLinear"),
+    ],
 )
 def test_something_that_is_not_a_module_names_its_type_and_the_fix(
     value: object, type_name: str
@@ -46,8 +52,8 @@ def test_something_that_is_not_a_module_names_its_type_and_the_fix(
     with pytest.raises(TypeError) as info:
         TiedLinear(value)  # type: ignore[arg-type]
     assert str(info.value) == (
-        f"TiedLinear ties to an nn.Module, got {type_name}; pass the module that owns the "
-        "weight (such as the nn.Embedding), not the weight itself"
+        f"TiedLinear ties to an nn.Module, got {type_name}, which has a 'weight' but is not a "
+        "Module; pass the nn.Module that owns the weight, such as the nn.Embedding"
     )
 
 
@@ -122,15 +128,17 @@ def test_the_shape_error_names_a_weight_read_through_the_attribute() -> None:
     )
 
 
-def test_a_failure_on_a_weight_that_is_no_longer_2d_keeps_torchs_error() -> None:
-    # The shape diagnosis is only for a 2-D weight; anything else keeps torch's own words.
+def test_a_weight_that_is_no_longer_2d_names_its_shape_and_the_fix() -> None:
     emb = nn.Embedding(7, 3)
     head = TiedLinear(emb)
     emb.weight = nn.Parameter(torch.randn(7, 3, 2))
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(ValueError, match="2-D") as info:
         head(torch.randn(2, 3))
-    assert "TiedLinear" not in str(info.value)
-    assert info.value.__cause__ is None
+    assert str(info.value) == (
+        "TiedLinear needs Embedding.weight to be 2-D (out_features, in_features) when called, "
+        "got shape (7, 3, 2); a weight assigned to the tied module after TiedLinear was built "
+        "must be 2-D too"
+    )
 
 
 def test_a_failure_on_a_non_tensor_input_keeps_torchs_error() -> None:
@@ -202,11 +210,13 @@ def _sharded_embedding(mesh: DeviceMesh) -> nn.Embedding:
 def test_a_sharded_weight_with_a_plain_input_names_the_placement_and_every_fix(
     one_rank: DeviceMesh,
 ) -> None:
-    head = TiedLinear(_sharded_embedding(one_rank))
+    emb = nn.Embedding(7, 3)
+    fully_shard(emb, mesh=one_rank)  # the weight stays sharded until a forward unshards it
+    head = TiedLinear(emb)
     with pytest.raises(RuntimeError) as info:
         head(torch.randn(2, 3))
     assert str(info.value) == (
-        "TiedLinear cannot use the weight of the tied module Embedding(7, 3): that weight is "
+        "TiedLinear cannot use the weight of the tied module FSDPEmbedding(7, 3): that weight is "
         "sharded (a DTensor with placements (Shard(dim=0),)) when TiedLinear reads it, and the "
         "input is a plain tensor. This happens when the FSDP2 unit (fully_shard) holding the "
         "tied module reshards its parameters after a forward that ends before TiedLinear "
@@ -217,6 +227,25 @@ def test_a_sharded_weight_with_a_plain_input_names_the_placement_and_every_fix(
         "with fully_shard(tied_module, reshard_after_forward=False)."
     )
     assert "mixed torch.Tensor and DTensor" in str(info.value.__cause__)
+
+
+def test_a_weight_sharded_outside_fsdp2_with_a_plain_input_names_the_tensor_parallel_fix(
+    one_rank: DeviceMesh,
+) -> None:
+    head = TiedLinear(_sharded_embedding(one_rank))
+    with pytest.raises(RuntimeError) as info:
+        head(torch.randn(2, 3))
+    assert str(info.value) == (
+        "TiedLinear got a plain-tensor input, but the weight of the tied module "
+        "Embedding(7, 3) is sharded by tensor parallelism (a DTensor with placements "
+        "(Shard(dim=0),)): the head's input must be a DTensor on the same device mesh. "
+        "Prepare the head's input by applying toolkit.nn.TiedLinearParallel to the head's "
+        "linear module, parallelize_module(head.linear, tp_mesh, TiedLinearParallel()), with "
+        "input_layouts=Shard(1) under sequence parallelism; or apply torch's "
+        "PrepareModuleInput(input_layouts=(Replicate(), None), "
+        "desired_input_layouts=(Replicate(), None)) to head.linear."
+    )
+    assert "FSDP" not in str(info.value)
 
 
 def test_a_wrong_width_with_both_input_and_weight_dtensors_is_a_shape_error(
