@@ -258,7 +258,9 @@ def pins(session: nox.Session) -> None:
 
     Installs every dependency group, the packages' build backends and nox into a fresh venv,
     with only torch constrained (move it by editing its line first), and writes what pip
-    installed, ``pip freeze``'s exact versions, below the file's comment header.
+    installed, ``pip freeze``'s exact versions, below the file's comment header. pip chooses
+    for the Python it runs on: run it on the oldest supported one (``TOOLKIT_PYTHON``), and
+    cap in ``pyproject.toml`` a tool whose newest release needs a newer patch release.
     """
     text = CONSTRAINTS.read_text(encoding="utf-8")
     header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
