@@ -76,7 +76,9 @@ def find_python() -> str:
     for version in SUPPORTED:
         # A version manager's shim can be on the PATH without an interpreter behind it.
         found = shutil.which(f"python{version}")
-        if found and subprocess.run([found, "-c", ""], check=False).returncode == 0:
+        if found is None:
+            continue
+        if subprocess.run([found, "-c", ""], capture_output=True, check=False).returncode == 0:
             return version
     return SUPPORTED[0]  # nox then reports "Python interpreter 3.11 not found"
 

@@ -191,6 +191,19 @@ def prepare_venv(location: Path, cwd: Path) -> Path:
     ]
     if ours:
         run(python, "-m", "pip", "uninstall", "--quiet", "--yes", *ours)
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    namespace = Path(purelib) / NAMESPACE
+    # pip leaves the namespace folder that several distributions shared, empty or holding
+    # bytecode caches; any other file left in it belongs to no distribution.
+    if namespace.is_dir():
+        if stray := [p for p in namespace.rglob("*") if p.is_file() and p.suffix != ".pyc"]:
+            raise SystemExit(f"{stray[0]} belongs to no distribution; delete {location}")
+        shutil.rmtree(namespace)
     script = f"import importlib.util as u, sys; sys.exit(u.find_spec({NAMESPACE!r}) is not None)"
     if subprocess.run([python, "-c", script], cwd=cwd, check=False).returncode != 0:
         raise SystemExit(f"{location} still holds a {NAMESPACE} module; delete the venv")
