@@ -2,19 +2,24 @@
 
 For each package: build the sdist and, from it, the wheel; run ``twine check`` and
 ``check-wheel-contents``; assert that the wheel ships no ``toolkit/__init__.py`` (``toolkit``
-is a PEP 420 namespace shared by every package) and that torch is its only requirement. Then
-install all the wheels into a clean venv, with a throwaway second ``toolkit.*`` distribution
-built here, and import every one. Artifacts are copied to ``--outdir`` (``dist/``).
+is a PEP 420 namespace shared by every package), that torch is its only requirement, that
+the wheel and the sdist ship the repository's LICENSE and declare it, that the project URLs
+are given, and that the classifiers name the typed package and the Python versions from
+``requires-python`` on. Then install all the wheels into a venv that holds no other toolkit
+distribution, with a throwaway second ``toolkit.*`` distribution built here, and import every
+one. Artifacts are copied to ``--outdir`` (``dist/``).
 """
 
 from __future__ import annotations
 
 import argparse
+import email.message
 import email.parser
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import textwrap
 import zipfile
@@ -25,6 +30,12 @@ ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "toolkit"
 ALLOWED_REQUIREMENTS = {"torch"}
 PROBE = "probe"
+LICENSE = ROOT / "LICENSE"
+LICENSE_EXPRESSION = "Apache-2.0"
+URL_LABELS = ("Homepage", "Documentation", "Repository", "Issues", "Changelog")
+TYPED = "Typing :: Typed"
+PYTHON_CLASSIFIER = re.compile(r"Programming Language :: Python :: 3\.(?P<minor>\d+)")
+LOWER_BOUND = re.compile(r">=\s*3\.(?P<minor>\d+)")
 
 
 def run(*command: str | Path, cwd: Path | None = None) -> None:
@@ -40,13 +51,15 @@ def build(package: Path, outdir: Path) -> Path:
     return wheel
 
 
-def check_wheel(wheel: Path) -> list[str]:
-    """What is wrong with ``wheel``'s namespace layout and requirements."""
+def check_wheel(wheel: Path, license_text: bytes) -> list[str]:
+    """What is wrong with ``wheel``'s namespace layout, requirements, licence and metadata."""
     problems: list[str] = []
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         (metadata,) = (n for n in names if n.endswith(".dist-info/METADATA"))
         message = email.parser.Parser().parsestr(archive.read(metadata).decode())
+        licence = metadata.replace("METADATA", "licenses/LICENSE")
+        shipped = archive.read(licence) if licence in names else None
     if f"{NAMESPACE}/__init__.py" in names:
         problems.append(f"{wheel.name} ships {NAMESPACE}/__init__.py, which breaks the namespace")
     if not any(n.startswith(f"{NAMESPACE}/") and n.endswith("/py.typed") for n in names):
@@ -57,7 +70,64 @@ def check_wheel(wheel: Path) -> list[str]:
         problems.append(
             f"{wheel.name} requires {sorted(requirements)}; torch must be its only requirement"
         )
+    if shipped is None:
+        problems.append(f'{wheel.name} ships no {licence}; set license-files = ["LICENSE"]')
+    elif shipped != license_text:
+        problems.append(f"{wheel.name}: {licence} differs from the repository's LICENSE")
+    return problems + check_metadata(wheel.name, message)
+
+
+def check_metadata(name: str, message: email.message.Message) -> list[str]:
+    """What is missing from the core metadata ``message`` of the distribution ``name``."""
+    problems: list[str] = []
+    if message.get("License-Expression") != LICENSE_EXPRESSION:
+        problems.append(
+            f"{name}: License-Expression is {message.get('License-Expression')!r}; set "
+            f'license = "{LICENSE_EXPRESSION}"'
+        )
+    if "LICENSE" not in (message.get_all("License-File") or []):
+        problems.append(f'{name}: no License-File LICENSE; set license-files = ["LICENSE"]')
+    labels = {url.split(",", 1)[0].strip() for url in message.get_all("Project-URL") or []}
+    if missing := [label for label in URL_LABELS if label not in labels]:
+        problems.append(
+            f"{name}: no project URL for {', '.join(missing)}; add them to [project.urls]"
+        )
+    classifiers = message.get_all("Classifier") or []
+    if TYPED not in classifiers:
+        problems.append(f"{name}: no classifier {TYPED!r}; add it for the py.typed marker")
+    minors = sorted(int(m["minor"]) for c in classifiers if (m := PYTHON_CLASSIFIER.fullmatch(c)))
+    bound = LOWER_BOUND.fullmatch(message.get("Requires-Python") or "")
+    if bound is None:
+        problems.append(f"{name}: Requires-Python must be '>=3.X'")
+    elif not minors or minors != list(range(int(bound["minor"]), minors[-1] + 1)):
+        versions = ", ".join(f"3.{minor}" for minor in minors) or "none"
+        problems.append(
+            f"{name}: the Python classifiers ({versions}) must be consecutive versions from "
+            f"Requires-Python {bound[0]} on"
+        )
     return problems
+
+
+def check_sdist(sdist: Path, license_text: bytes) -> list[str]:
+    """What is wrong with ``sdist``'s licence and metadata (its PKG-INFO)."""
+    with tarfile.open(sdist) as archive:
+        top = archive.getnames()[0].split("/")[0]
+        files = {member.name: member for member in archive.getmembers() if member.isfile()}
+
+        def read(name: str) -> bytes | None:
+            member = files.get(f"{top}/{name}")
+            stream = archive.extractfile(member) if member is not None else None
+            return stream.read() if stream is not None else None
+
+        shipped, info = read("LICENSE"), read("PKG-INFO")
+    problems: list[str] = []
+    if shipped is None:
+        problems.append(f"{sdist.name} ships no LICENSE; add it to the sdist's include")
+    elif shipped != license_text:
+        problems.append(f"{sdist.name}: LICENSE differs from the repository's LICENSE")
+    if info is None:
+        return [*problems, f"{sdist.name} has no PKG-INFO"]
+    return problems + check_metadata(sdist.name, email.parser.Parser().parsestr(info.decode()))
 
 
 def make_probe(folder: Path, version: str) -> Path:
@@ -98,24 +168,75 @@ def import_check(python: Path, modules: Sequence[str], cwd: Path) -> None:
     run(python, "-W", "ignore:Failed to initialize NumPy", "-c", script, cwd=cwd)
 
 
+def prepare_venv(location: Path, cwd: Path) -> Path:
+    """A venv at ``location`` from which no ``toolkit`` module imports; return its python.
+
+    An existing venv is reused, so that torch need not be installed again, after every
+    ``toolkit-*`` distribution in it is uninstalled.
+    """
+    python = location / "bin" / "python"
+    if not python.exists():
+        run(sys.executable, "-m", "venv", location)
+        return python
+    listed = subprocess.run(
+        [python, "-m", "pip", "list", "--format=freeze"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    ours = [
+        line.split("==")[0]
+        for line in listed.splitlines()
+        if re.match(rf"{NAMESPACE}[-_]", line, re.IGNORECASE)
+    ]
+    if ours:
+        run(python, "-m", "pip", "uninstall", "--quiet", "--yes", *ours)
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    namespace = Path(purelib) / NAMESPACE
+    # pip leaves the namespace folder that several distributions shared, empty or holding
+    # bytecode caches; any other file left in it belongs to no distribution.
+    if namespace.is_dir():
+        if stray := [p for p in namespace.rglob("*") if p.is_file() and p.suffix != ".pyc"]:
+            raise SystemExit(f"{stray[0]} belongs to no distribution; delete {location}")
+        shutil.rmtree(namespace)
+    script = f"import importlib.util as u, sys; sys.exit(u.find_spec({NAMESPACE!r}) is not None)"
+    if subprocess.run([python, "-c", script], cwd=cwd, check=False).returncode != 0:
+        raise SystemExit(f"{location} still holds a {NAMESPACE} module; delete the venv")
+    return python
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Build, check, install and import every package; return the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--outdir", type=Path, default=ROOT / "dist")
     parser.add_argument("--constraints", type=Path, default=ROOT / "constraints.txt")
+    parser.add_argument(
+        "--venv",
+        type=Path,
+        default=None,
+        help="the venv to install into, kept between runs (default: a temporary one)",
+    )
     args = parser.parse_args(argv)
     packages = sorted(p.parent for p in ROOT.glob("packages/*/pyproject.toml"))
     if not packages:
         print("no packages/*/pyproject.toml found", file=sys.stderr)
         return 1
     version = (ROOT / "VERSION").read_text(encoding="utf-8").strip()
+    license_text = LICENSE.read_bytes()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         built = work / "dist"
         wheels = [build(package, built) for package in packages]
         run(sys.executable, "-m", "twine", "check", "--strict", *sorted(built.iterdir()))
         run(sys.executable, "-m", "check_wheel_contents", *wheels)
-        problems = [problem for wheel in wheels for problem in check_wheel(wheel)]
+        problems = [problem for wheel in wheels for problem in check_wheel(wheel, license_text)]
+        for sdist in sorted(built.glob("*.tar.gz")):
+            problems += check_sdist(sdist, license_text)
         for problem in problems:
             print(problem, file=sys.stderr)
         if problems:
@@ -123,9 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         probe_dir = work / "probe-dist"
         run(sys.executable, "-m", "build", "--wheel", "--outdir", probe_dir,
             make_probe(work, version))  # fmt: skip
-        python = work / "venv" / "bin" / "python"
-        run(sys.executable, "-m", "venv", work / "venv")
-        pip = (python, "-m", "pip", "install", "--quiet", "-c", args.constraints)
+        python = prepare_venv(args.venv or work / "venv", cwd=work)
+        pip = (python, "-m", "pip", "install", "--quiet", "--no-compile", "-c", args.constraints)
         run(*pip, *wheels)
         modules = [f"{NAMESPACE}.{p.name.removeprefix(f'{NAMESPACE}-')}" for p in packages]
         import_check(python, modules, cwd=work)

@@ -1,44 +1,104 @@
-"""The wheel checks of scripts/check_dists.py catch a broken namespace or extra requirements.
+"""The checks of scripts/check_dists.py catch a broken wheel or sdist.
 
 The full build, install and import run in `nox -s build`; these tests feed the checks small
-hand-made wheels, so that a check that passes everything is caught.
+hand-made wheels and sdists, so that a check that passes everything is caught.
 """
 
 from __future__ import annotations
 
+import io
+import subprocess
+import tarfile
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from scripts.check_dists import check_wheel
+from scripts import check_dists
+from scripts.check_dists import check_sdist, check_wheel
 
+ROOT = Path(__file__).resolve().parents[2]
+LICENSE = b"The licence text.\n"
 GOOD = {"toolkit/nn/__init__.py": "", "toolkit/nn/py.typed": ""}
+URLS = ["Homepage", "Documentation", "Repository", "Issues", "Changelog"]
+HEADERS = {
+    "License-Expression": ["Apache-2.0"],
+    "License-File": ["LICENSE"],
+    "Requires-Python": [">=3.11"],
+    "Classifier": [
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Typing :: Typed",
+    ],
+    "Project-URL": [f"{label}, https://example.org/{label.lower()}" for label in URLS],
+}
 
 
-def wheel(folder: Path, files: dict[str, str], requires: list[str]) -> Path:
+def metadata(requires: list[str], **changes: list[str]) -> str:
+    headers = {**HEADERS, "Requires-Dist": requires, **changes}
+    text = "Metadata-Version: 2.4\nName: toolkit-nn\nVersion: 1.0.0\n"
+    return text + "".join(
+        f"{key}: {value}\n" for key, values in headers.items() for value in values
+    )
+
+
+def wheel(
+    folder: Path,
+    files: dict[str, str],
+    requires: list[str],
+    licence: bytes | None = LICENSE,
+    **changes: list[str],
+) -> Path:
     path = folder / "toolkit_nn-1.0.0-py3-none-any.whl"
-    metadata = "Metadata-Version: 2.4\nName: toolkit-nn\nVersion: 1.0.0\n"
-    metadata += "".join(f"Requires-Dist: {requirement}\n" for requirement in requires)
     with zipfile.ZipFile(path, "w") as archive:
         for name, content in files.items():
             archive.writestr(name, content)
-        archive.writestr("toolkit_nn-1.0.0.dist-info/METADATA", metadata)
+        archive.writestr("toolkit_nn-1.0.0.dist-info/METADATA", metadata(requires, **changes))
+        if licence is not None:
+            archive.writestr("toolkit_nn-1.0.0.dist-info/licenses/LICENSE", licence)
     return path
+
+
+def sdist(folder: Path, licence: bytes | None = LICENSE, **changes: list[str]) -> Path:
+    path = folder / "toolkit_nn-1.0.0.tar.gz"
+    files = {"PKG-INFO": metadata(["torch"], **changes).encode(), "pyproject.toml": b""}
+    if licence is not None:
+        files["LICENSE"] = licence
+    with tarfile.open(path, "w:gz") as archive:
+        for name, content in files.items():
+            info = tarfile.TarInfo(f"toolkit_nn-1.0.0/{name}")
+            info.size = len(content)
+            archive.addfile(info, io.BytesIO(content))
+    return path
+
+
+def test_the_licence_files_are_the_repositorys() -> None:
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n                           Version 2.0")
+    assert "END OF TERMS AND CONDITIONS" in text
+    for package in ROOT.glob("packages/*/pyproject.toml"):
+        assert (package.parent / "LICENSE").read_bytes() == (ROOT / "LICENSE").read_bytes()
 
 
 @pytest.mark.parametrize("torch", ["torch>=2.13", "torch", "torch==2.13.0"])
 def test_a_namespace_wheel_that_needs_only_torch_passes(tmp_path: Path, torch: str) -> None:
-    assert check_wheel(wheel(tmp_path, GOOD, [torch])) == []
+    assert check_wheel(wheel(tmp_path, GOOD, [torch]), LICENSE) == []
+
+
+def test_a_complete_sdist_passes(tmp_path: Path) -> None:
+    assert check_sdist(sdist(tmp_path), LICENSE) == []
 
 
 def test_a_namespace_init_is_reported(tmp_path: Path) -> None:
-    (problem,) = check_wheel(wheel(tmp_path, {**GOOD, "toolkit/__init__.py": ""}, ["torch"]))
+    (problem,) = check_wheel(
+        wheel(tmp_path, {**GOOD, "toolkit/__init__.py": ""}, ["torch"]), LICENSE
+    )
     assert "ships toolkit/__init__.py" in problem
 
 
 def test_a_missing_py_typed_is_reported(tmp_path: Path) -> None:
-    (problem,) = check_wheel(wheel(tmp_path, {"toolkit/nn/__init__.py": ""}, ["torch"]))
+    (problem,) = check_wheel(wheel(tmp_path, {"toolkit/nn/__init__.py": ""}, ["torch"]), LICENSE)
     assert "no py.typed" in problem
 
 
@@ -47,5 +107,134 @@ def test_a_missing_py_typed_is_reported(tmp_path: Path) -> None:
     [[], ["numpy"], ["torch>=2.13", "numpy>=1"], ["torch", "torchtune; extra == 'x'"]],
 )
 def test_any_requirement_but_torch_alone_is_reported(tmp_path: Path, requires: list[str]) -> None:
-    (problem,) = check_wheel(wheel(tmp_path, GOOD, requires))
+    (problem,) = check_wheel(wheel(tmp_path, GOOD, requires), LICENSE)
     assert "torch must be its only requirement" in problem
+
+
+def test_a_wheel_without_the_licence_is_reported(tmp_path: Path) -> None:
+    (problem,) = check_wheel(wheel(tmp_path, GOOD, ["torch"], licence=None), LICENSE)
+    assert problem == (
+        "toolkit_nn-1.0.0-py3-none-any.whl ships no toolkit_nn-1.0.0.dist-info/licenses/LICENSE;"
+        ' set license-files = ["LICENSE"]'
+    )
+
+
+def test_a_wheel_with_another_licence_text_is_reported(tmp_path: Path) -> None:
+    (problem,) = check_wheel(wheel(tmp_path, GOOD, ["torch"], licence=b"MIT\n"), LICENSE)
+    assert problem.endswith("licenses/LICENSE differs from the repository's LICENSE")
+
+
+def test_an_sdist_without_the_licence_is_reported(tmp_path: Path) -> None:
+    (problem,) = check_sdist(sdist(tmp_path, licence=None), LICENSE)
+    assert problem == "toolkit_nn-1.0.0.tar.gz ships no LICENSE; add it to the sdist's include"
+    (problem,) = check_sdist(sdist(tmp_path, licence=b"MIT\n"), LICENSE)
+    assert problem == "toolkit_nn-1.0.0.tar.gz: LICENSE differs from the repository's LICENSE"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"License-Expression": []},
+            'License-Expression is None; set license = "Apache-2.0"',
+        ),
+        (
+            {"License-Expression": ["MIT"]},
+            "License-Expression is 'MIT'; set license = \"Apache-2.0\"",
+        ),
+        (
+            {"License-File": []},
+            'no License-File LICENSE; set license-files = ["LICENSE"]',
+        ),
+        (
+            {"Project-URL": ["Homepage, https://example.org"]},
+            "no project URL for Documentation, Repository, Issues, Changelog; "
+            "add them to [project.urls]",
+        ),
+        (
+            {"Classifier": HEADERS["Classifier"][:-1]},
+            "no classifier 'Typing :: Typed'; add it for the py.typed marker",
+        ),
+        (
+            {"Classifier": ["Typing :: Typed"]},
+            "the Python classifiers (none) must be consecutive versions from "
+            "Requires-Python >=3.11 on",
+        ),
+        (
+            {"Requires-Python": [">=3.10"]},
+            "the Python classifiers (3.11, 3.12) must be consecutive versions from "
+            "Requires-Python >=3.10 on",
+        ),
+        (
+            {
+                "Classifier": [
+                    "Programming Language :: Python :: 3.11",
+                    "Programming Language :: Python :: 3.13",
+                    "Typing :: Typed",
+                ]
+            },
+            "the Python classifiers (3.11, 3.13) must be consecutive versions from "
+            "Requires-Python >=3.11 on",
+        ),
+        ({"Requires-Python": []}, "Requires-Python must be '>=3.X'"),
+    ],
+)
+def test_missing_metadata_is_reported_for_wheel_and_sdist(
+    tmp_path: Path, changes: dict[str, list[str]], message: str
+) -> None:
+    (problem,) = check_wheel(wheel(tmp_path, GOOD, ["torch"], **changes), LICENSE)
+    assert problem == f"toolkit_nn-1.0.0-py3-none-any.whl: {message}"
+    (problem,) = check_sdist(sdist(tmp_path, **changes), LICENSE)
+    assert problem == f"toolkit_nn-1.0.0.tar.gz: {message}"
+
+
+@pytest.fixture
+def kept_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[list[str]]]:
+    """A venv from an earlier run: its pip lists torch and two toolkit distributions.
+
+    The subprocesses are stood in for; the commands run through ``run`` are recorded.
+    """
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    purelib = venv / "lib" / "site-packages"
+    (purelib / "toolkit" / "nn" / "__pycache__").mkdir(parents=True)
+    (purelib / "toolkit" / "nn" / "__pycache__" / "__init__.cpython-311.pyc").touch()
+    ran: list[list[str]] = []
+
+    def fake_subprocess_run(command: list[object], **_: object) -> subprocess.CompletedProcess[str]:
+        text = " ".join(map(str, command))
+        if "pip list" in text:
+            out = "torch==2.13.0\ntoolkit-nn==3.58.0\nToolkit_Probe==3.58.0\ntoolkitx==1.0\n"
+        elif "purelib" in text:
+            out = f"{purelib}\n"
+        else:  # the import check: toolkit is found while its folder is there
+            return subprocess.CompletedProcess(command, int((purelib / "toolkit").exists()), "")
+        return subprocess.CompletedProcess(command, 0, out)
+
+    monkeypatch.setattr(check_dists.subprocess, "run", fake_subprocess_run)
+    monkeypatch.setattr(
+        check_dists, "run", lambda *command, **_: ran.append(list(map(str, command)))
+    )
+    return venv, ran
+
+
+def test_a_kept_venv_loses_every_toolkit_distribution_and_folder(
+    kept_venv: tuple[Path, list[list[str]]], tmp_path: Path
+) -> None:
+    venv, ran = kept_venv
+    assert check_dists.prepare_venv(venv, cwd=tmp_path) == venv / "bin" / "python"
+    uninstall = ["-m", "pip", "uninstall", "--quiet", "--yes", "toolkit-nn", "Toolkit_Probe"]
+    assert ran == [[str(venv / "bin" / "python"), *uninstall]]
+    assert not (venv / "lib" / "site-packages" / "toolkit").exists()
+
+
+def test_a_kept_venv_with_a_stray_toolkit_file_is_refused(
+    kept_venv: tuple[Path, list[list[str]]], tmp_path: Path
+) -> None:
+    venv, _ = kept_venv
+    stray = venv / "lib" / "site-packages" / "toolkit" / "nn" / "leftover.py"
+    stray.touch()
+    with pytest.raises(SystemExit, match=f"^{stray} belongs to no distribution; delete {venv}$"):
+        check_dists.prepare_venv(venv, cwd=tmp_path)
+    assert stray.exists()

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "lockstep.py"
 DATE = datetime.date(2027, 1, 15)
 MDD = "packages/toolkit-nn/src/toolkit/nn/_module_default_dict.py"
+REPO = "https://github.com/toolkit-dev/toolkit"
 
 
 @pytest.fixture
@@ -57,10 +58,11 @@ def edit(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new, 1))
 
 
-def add_package(root: Path, pyproject: str) -> Path:
+def add_package(root: Path, pyproject: str, repository: str = REPO) -> Path:
     folder = root / "packages" / "toolkit-zz"
     folder.mkdir()
-    (folder / "pyproject.toml").write_text(pyproject)
+    urls = f'\n[project.urls]\nRepository = "{repository}"\n'
+    (folder / "pyproject.toml").write_text(pyproject + urls)
     return folder / "pyproject.toml"
 
 
@@ -112,8 +114,8 @@ def test_a_changelog_with_a_newer_release_is_reported(repo: Path) -> None:
     edit(
         repo / "CHANGELOG.md", "## [Unreleased]\n", f"## [Unreleased]\n\n## [{new}] - 2027-01-01\n"
     )
-    (problem,) = lockstep.check(repo)
-    assert problem.startswith(f"CHANGELOG.md: the newest release heading is {new}")
+    problems = lockstep.check(repo)
+    assert problems[0].startswith(f"CHANGELOG.md: the newest release heading is {new}")
 
 
 def test_a_changelog_without_releases_is_reported(repo: Path) -> None:
@@ -140,12 +142,107 @@ def test_added_in_a_version_missing_from_the_changelog_is_reported(repo: Path) -
     assert f"'Added in version v{old}' names a version with no CHANGELOG.md heading" in problem
 
 
+def add_old_release(root: Path, version: str) -> None:
+    """Add the release ``version``, older than 3.58.0, below it, with its links."""
+    changelog = root / "CHANGELOG.md"
+    edit(changelog, "\n[Unreleased]: ", f"\n## [{version}] - 2025-01-01\n\n[Unreleased]: ")
+    edit(
+        changelog,
+        f"[3.58.0]: {REPO}/releases/tag/v3.58.0\n",
+        f"[3.58.0]: {REPO}/compare/v{version}...v3.58.0\n"
+        f"[{version}]: {REPO}/releases/tag/v{version}\n",
+    )
+
+
 def test_added_in_an_older_released_version_is_accepted(repo: Path) -> None:
-    with (repo / "CHANGELOG.md").open("a") as file:
-        file.write("\n## [3.1.0] - 2025-01-01\n")
+    add_old_release(repo, "3.1.0")
     with (repo / "docs" / "quickstart.md").open("a") as file:
         file.write("\nAdded in version v3.1.0.\n")
     assert lockstep.check(repo) == []
+
+
+def test_a_newer_release_below_the_current_one_is_reported(repo: Path) -> None:
+    add_old_release(repo, "9.0.0")
+    assert lockstep.check(repo) == [
+        "CHANGELOG.md: `## [9.0.0]` sits below `## [3.58.0]` but is not older; release "
+        "headings go newest first, one per version"
+    ]
+
+
+def test_a_release_listed_twice_is_reported(repo: Path) -> None:
+    add_old_release(repo, "3.58.0")
+    (problem, *_) = lockstep.check(repo)
+    assert problem.startswith("CHANGELOG.md: `## [3.58.0]` sits below `## [3.58.0]` but is not")
+
+
+def test_a_missing_unreleased_heading_is_reported(repo: Path) -> None:
+    edit(repo / "CHANGELOG.md", "## [Unreleased]\n", "")
+    assert lockstep.check(repo) == [
+        "CHANGELOG.md has no `## [Unreleased]` heading; add it above the newest release "
+        "(`nox -s bump` moves what is under it into the new release)"
+    ]
+
+
+def test_an_unreleased_heading_below_a_release_is_reported(repo: Path) -> None:
+    edit(repo / "CHANGELOG.md", "## [Unreleased]\n", "")
+    edit(repo / "CHANGELOG.md", "\n[Unreleased]: ", "\n## [Unreleased]\n\n[Unreleased]: ")
+    assert lockstep.check(repo) == [
+        "CHANGELOG.md: `## [Unreleased]` must come before every release heading"
+    ]
+
+
+def test_a_release_heading_that_is_no_version_is_reported(repo: Path) -> None:
+    edit(repo / "CHANGELOG.md", "\n[Unreleased]: ", "\n## [3.1] - 2025-01-01\n\n[Unreleased]: ")
+    assert lockstep.check(repo) == ["CHANGELOG.md: `## [3.1]` is not an X.Y.Z release"]
+
+
+@pytest.mark.parametrize(
+    ("label", "url"),
+    [
+        ("Unreleased", f"{REPO}/compare/v3.58.0...HEAD"),
+        ("3.58.0", f"{REPO}/releases/tag/v3.58.0"),
+    ],
+)
+def test_a_missing_or_wrong_changelog_link_is_reported(repo: Path, label: str, url: str) -> None:
+    edit(repo / "CHANGELOG.md", f"[{label}]: {url}\n", "")
+    assert lockstep.check(repo) == [
+        f"CHANGELOG.md has no link for [{label}]; add `[{label}]: {url}`"
+    ]
+    wrong = url.replace("toolkit-dev", "elsewhere")
+    with (repo / "CHANGELOG.md").open("a") as file:
+        file.write(f"[{label}]: {wrong}\n")
+    assert lockstep.check(repo) == [
+        f"CHANGELOG.md: the link for [{label}] is {wrong}; it must be {url}"
+    ]
+
+
+def test_packages_that_disagree_on_the_repository_are_reported(repo: Path) -> None:
+    add_package(repo, f'[project]\nname = "toolkit-zz"\nversion = "{release(repo)}"\n', "x")
+    assert lockstep.check(repo) == [
+        "packages/*/pyproject.toml: every package must give the same `Repository` in "
+        "[project.urls]; the changelog's links point there"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("written", "reported"),
+    [
+        ("Added in version 3.99.0.", "Added in version 3.99.0."),
+        ("Added in version V3.58.0.", "Added in version V3.58.0."),
+        ("Added in version v3.58.", "Added in version v3.58."),
+        ("Added in version v 3.58.0.", "Added in version v"),
+        ("added in version v3.58.0.", "added in version v3.58.0."),
+        ("Added in version", "Added in version"),  # wrapped: the version is on the next line
+    ],
+)
+def test_a_malformed_added_in_is_reported(repo: Path, written: str, reported: str) -> None:
+    with (repo / "docs" / "quickstart.md").open("a") as file:
+        file.write(f"\n{written}\nv3.58.0\n")
+    line = len((repo / "docs" / "quickstart.md").read_text().splitlines()) - 1
+    assert lockstep.check(repo) == [
+        f"docs/quickstart.md:{line}: '{reported}' is not a release; write it on one line as "
+        "'Added in version v3.58.0' (with the v), naming the release that ships it"
+    ]
 
 
 def test_a_malformed_version_file_is_an_error(repo: Path) -> None:
@@ -168,6 +265,12 @@ def test_bump_moves_everything_in_one_step(repo: Path) -> None:
     assert 'version = "7"' in sibling.read_text()
     changelog = (repo / "CHANGELOG.md").read_text()
     assert f"## [Unreleased]\n\n## [{new}] - 2027-01-15\n" in changelog
+    assert changelog.endswith(
+        f"\n\n[Unreleased]: {REPO}/compare/v{new}...HEAD\n"
+        f"[{new}]: {REPO}/compare/v{old}...v{new}\n"
+        f"[{old}]: {REPO}/releases/tag/v{old}\n"
+    )
+    assert changelog.count("]: https://") == 3
     assert lockstep.changelog_releases(repo)[:2] == [new, old]
 
 
