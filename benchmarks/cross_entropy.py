@@ -116,15 +116,20 @@ def _in_subprocess(variant: str, shape: tuple[int, int, int], steps: int) -> dic
     return result
 
 
-def run(quick: bool) -> dict[str, object]:
+def run(
+    quick: bool,
+    shapes: tuple[tuple[int, int, int], ...] | None = None,
+    rounds: int | None = None,
+) -> dict[str, object]:
     """Alternate the variants in fresh processes, round after round; report medians and ratios.
 
     Returns:
         Per shape, per variant: median seconds and peak MB over rounds, and the ratios to
         the plain path; and the three targets of the toolkit variant, met or not.
     """
-    shapes = QUICK_SHAPES if quick else SHAPES
-    rounds, steps = (1, 1) if quick else (3, 2)
+    shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
+    rounds = rounds or (1 if quick else 3)
+    steps = 1 if quick else 2
     variants = list(VARIANTS)
     if not quick:
         variants += ["toolkit_chunk_128", "toolkit_chunk_512", "toolkit_chunk_1024"]
@@ -180,6 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one small shape, one round")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--shape", action="append", help="TOKENS,HIDDEN,VOCAB instead of the default shapes"
+    )
+    parser.add_argument("--rounds", type=int, help="alternated runs of every variant")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "SHAPE"), help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -188,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         tokens, hidden, vocab = (int(n) for n in shape.split(","))
         print(json.dumps(measure(variant, (tokens, hidden, vocab), args.steps)))
         return
-    results: dict[str, Any] = run(args.quick)
+    shapes = tuple(tuple(int(n) for n in s.split(",")) for s in args.shape or ())
+    results: dict[str, Any] = run(args.quick, shapes or None, args.rounds)  # type: ignore[arg-type]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
