@@ -329,7 +329,7 @@ def fsdp1_without_device_id() -> str:
 # ``checks(world_size: int, checkpoint_dir: Path) -> dict[str, Callable[[], Any]]``, returning
 # the checks it runs at that world size under names prefixed by its own subject
 # (``"tp/..."``), and ``WORLD_SIZES``, the world sizes at which it has any.
-CHECK_MODULES: tuple[str, ...] = ()
+CHECK_MODULES: tuple[str, ...] = ("tests.nn.distributed.cross_entropy_checks",)
 
 
 def extra_checks(world_size: int, checkpoint_dir: Path) -> dict[str, Callable[[], Any]]:

@@ -212,6 +212,19 @@ class TiedLinear:
             IndexError: If a counted target is outside ``[0, out_features)``.
             RuntimeError: If the weight is a DTensor (FSDP2 resharded it, or tensor
                 parallelism shards the vocabulary); the message names the fix.
+
+        Added in version v3.58.0.
+
+        Examples:
+            >>> import torch
+            >>> import torch.nn.functional as F
+            >>> from torch import nn
+            >>> from toolkit.nn import TiedLinear
+            >>> head = TiedLinear(nn.Embedding(100, 16))
+            >>> x, target = torch.randn(8, 16), torch.randint(0, 100, (8,))
+            >>> loss = head.cross_entropy(x, target, chunk_size=3)
+            >>> torch.allclose(loss, F.cross_entropy(head(x), target))
+            True
         """
         weight: torch.Tensor = self.tied_module.weight  # type: ignore[assignment]
         if _is_dtensor(weight):
