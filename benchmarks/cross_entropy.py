@@ -41,6 +41,8 @@ from torch import nn
 from toolkit.nn import TiedLinear
 
 VARIANTS = ("plain", "torch_reference", "torch_chunked", "toolkit")
+# The chunk-size rule's neighbours: the default is 256 tokens at a 32,000 vocabulary.
+CHUNK_VARIANTS = ("toolkit_chunk_128", "toolkit_chunk_512", "toolkit_chunk_1024")
 # (tokens, hidden, vocabulary): the issue's shape and one whose float32 logits exceed 2 GB.
 SHAPES = ((4096, 512, 32000), (8192, 512, 65536))
 QUICK_SHAPES = ((1024, 256, 8000),)
@@ -120,6 +122,8 @@ def run(
     quick: bool,
     shapes: tuple[tuple[int, int, int], ...] | None = None,
     rounds: int | None = None,
+    variants: tuple[str, ...] | None = None,
+    steps: int | None = None,
 ) -> dict[str, object]:
     """Alternate the variants in fresh processes, round after round; report medians and ratios.
 
@@ -129,10 +133,11 @@ def run(
     """
     shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     rounds = rounds or (1 if quick else 3)
-    steps = 1 if quick else 2
-    variants = list(VARIANTS)
-    if not quick:
-        variants += ["toolkit_chunk_128", "toolkit_chunk_512", "toolkit_chunk_1024"]
+    steps = steps or (1 if quick else 2)
+    if variants:
+        variants = tuple(dict.fromkeys(("plain", "torch_chunked", "toolkit", *variants)))
+    else:
+        variants = VARIANTS if quick else (*VARIANTS, *CHUNK_VARIANTS)
     results: dict[str, object] = {}
     for shape in shapes:
         runs: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
@@ -168,7 +173,7 @@ def _print_shape(
 ) -> None:
     tokens, hidden, vocab = map(int, key.split("x"))
     logits_gb = tokens * vocab * 4 / 1e9
-    print(f"\n{tokens} tokens x {hidden} hidden -> {vocab} vocabulary, float32 ")
+    print(f"\n{tokens} tokens x {hidden} hidden -> {vocab} vocabulary, float32")
     print(f"(logits {logits_gb:.2f} GB; median of {rounds} alternated runs, forward + backward)")
     print(f"{'variant':<20} {'time s':>8} {'x plain':>8} {'peak MB':>9} {'x plain':>8}")
     for name, row in table.items():
@@ -189,6 +194,10 @@ def main(argv: list[str] | None = None) -> None:
         "--shape", action="append", help="TOKENS,HIDDEN,VOCAB instead of the default shapes"
     )
     parser.add_argument("--rounds", type=int, help="alternated runs of every variant")
+    parser.add_argument(
+        "--variants", help="comma-separated variants (plain, torch_chunked, toolkit always run)"
+    )
+    parser.add_argument("--steps-per-run", type=int, help="timed steps in each process")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "SHAPE"), help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -198,7 +207,14 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(variant, (tokens, hidden, vocab), args.steps)))
         return
     shapes = tuple(tuple(int(n) for n in s.split(",")) for s in args.shape or ())
-    results: dict[str, Any] = run(args.quick, shapes or None, args.rounds)  # type: ignore[arg-type]
+    variants = tuple(args.variants.split(",")) if args.variants else None
+    results: dict[str, Any] = run(
+        args.quick,
+        shapes or None,  # type: ignore[arg-type]
+        args.rounds,
+        variants,
+        args.steps_per_run,
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
