@@ -397,3 +397,18 @@ def test_a_failed_call_leaves_no_gradient() -> None:
         head.cross_entropy(x, target, reduction="none")
     assert x.grad is None
     assert head.weight.grad is None
+
+
+def test_a_target_far_below_the_largest_logit_gives_the_exact_loss() -> None:
+    """Its probability underflows in float32; the loss must not become inf."""
+    head = TiedLinear(nn.Embedding(3, 1))
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[0.0], [300.0], [-5.0]]))
+    x = torch.ones(2, 1)
+    target = torch.tensor([0, 2])
+    with torch.no_grad():
+        loss = head.cross_entropy(x, target, reduction="sum")
+    torch.testing.assert_close(
+        loss, F.cross_entropy(F.linear(x, head.weight), target, reduction="sum")
+    )
+    assert loss.item() == pytest.approx(300.0 + 305.0)

@@ -3,11 +3,11 @@
 For ``N`` tokens and a vocabulary of ``V``, ``F.cross_entropy(F.linear(x, w), target)`` holds
 the ``(N, V)`` logits and, for backward, their softmax: at language-model scale that is the
 largest allocation of a training step. Here the tokens are taken a chunk at a time: the
-chunk's logits are computed into one reused ``(chunk, V)`` buffer, turned into the loss and,
-in the same place, into the gradient of the logits, which is multiplied straight into the
-gradients of ``x`` and ``w``. The gradients are therefore computed in forward, with the same
-matrix products as the plain path and nothing recomputed; backward only scales them by the
-incoming gradient. When no gradient is needed, only the loss is computed.
+chunk's logits are computed into one reused ``(chunk, V)`` buffer and their softmax into
+another, which is turned in place into the gradient of the logits and multiplied straight
+into the gradients of ``x`` and ``w``. The gradients are therefore computed in forward,
+with the same matrix products as the plain path and nothing recomputed; backward only
+scales them by the incoming gradient. When no gradient is needed, only the loss is computed.
 """
 
 from __future__ import annotations
@@ -131,41 +131,46 @@ def _chunks(
     grad_scale = 1.0 / count.clamp(min=1) if reduction == "mean" else count.new_ones(())
     smooth = label_smoothing / vocab if vocab else 0.0
     total = torch.zeros((), dtype=acc, device=x.device)
-    logits = torch.empty((min(chunk_size, num_tokens), vocab), dtype=acc, device=x.device)
+    rows = min(chunk_size, num_tokens)
+    logits = torch.empty((rows, vocab), dtype=acc, device=x.device)
+    # The softmax goes to a second buffer: torch's fused row-wise kernel takes each row while
+    # it is in cache, where an in-place softmax of our own would take five passes.
+    probs = torch.empty((rows, vocab), dtype=acc, device=x.device)
     for start in range(0, num_tokens, chunk_size):
         stop = min(start + chunk_size, num_tokens)
         x_c, keep = x[start:stop], valid[start:stop]
-        z = logits[: stop - start]
+        z, p = logits[: stop - start], probs[: stop - start]
         if reduced:
             z.copy_(torch.mm(x_c, weight.t()))  # rounded like head(x), then widened
         else:
             torch.mm(x_c, weight.t(), out=z)
         index = torch.where(keep, target[start:stop], 0).unsqueeze(1)
-        picked = z.gather(1, index).squeeze(1)
+        top = z.argmax(1, keepdim=True)
+        torch.softmax(z, 1, out=p)
+        # logsumexp(z) = z[top] - log p[top]: the largest probability is at least 1 / V, so
+        # its logarithm neither underflows nor loses precision.
+        lse = (z.gather(1, top) - p.gather(1, top).log()).squeeze(1)
         # lse - (1 - eps) * z_target - eps * mean(z): F.cross_entropy's label smoothing.
-        row_loss = -(1.0 - label_smoothing) * picked
+        row_loss = lse - (1.0 - label_smoothing) * z.gather(1, index).squeeze(1)
         if label_smoothing:
             row_loss -= label_smoothing / vocab * z.sum(1)
-        high = z.amax(1, keepdim=True)
-        z.sub_(high).exp_()
-        sums = z.sum(1, keepdim=True)
-        row_loss += (high + sums.log()).squeeze(1)
         total += torch.where(keep, row_loss, 0).sum()
         if grad_x is None and grad_w is None:
             continue
-        # In place: softmax, minus the smoothed one-hot target, times the reduction's scale.
+        # In the softmax's buffer: the softmax, times the reduction's scale, minus the smoothed
+        # one-hot target.
         row_scale = keep.to(acc) * grad_scale
-        z.mul_(row_scale.unsqueeze(1) / sums)
+        grad = p.mul_(row_scale.unsqueeze(1))
         if label_smoothing:
-            z.sub_((row_scale * smooth).unsqueeze(1))
-        z.scatter_add_(1, index, (-(1.0 - label_smoothing) * row_scale).unsqueeze(1))
+            grad.sub_((row_scale * smooth).unsqueeze(1))
+        grad.scatter_add_(1, index, (-(1.0 - label_smoothing) * row_scale).unsqueeze(1))
         if grad_x is not None:
             if reduced:
-                grad_x[start:stop] = torch.mm(z.to(x.dtype), weight)
+                grad_x[start:stop] = torch.mm(grad.to(x.dtype), weight)
             else:
-                torch.mm(z, weight, out=grad_x[start:stop])
+                torch.mm(grad, weight, out=grad_x[start:stop])
         if grad_w is not None:
-            grad_w.addmm_(z.t(), x_c.to(acc) if reduced else x_c)
+            grad_w.addmm_(grad.t(), x_c.to(acc) if reduced else x_c)
     return total / count if reduction == "mean" else total
 
 
