@@ -17,9 +17,10 @@ from torch.autograd.function import FunctionCtx
 
 __all__ = ["linear_cross_entropy"]
 
-# ``chunk_size=None`` bounds the chunk's logits buffer to this many bytes (and takes at
-# least ``_MIN_CHUNK`` tokens, so that the matrix products stay efficient). At a vocabulary
-# of 32,000 in float32 that is 256 tokens a chunk; see the benchmark for the measured cost.
+# ``chunk_size=None`` bounds the chunk's logits buffer, and its softmax's, to this many bytes
+# (and takes at least ``_MIN_CHUNK`` tokens, so that the matrix products stay efficient).
+# At a vocabulary of 32,000 in float32 that is 256 tokens a chunk; see the benchmark for the
+# measured cost.
 _CHUNK_BYTES = 32 * 2**20
 _MIN_CHUNK = 16
 _REDUCTIONS = ("mean", "sum")

@@ -171,12 +171,12 @@ class TiedLinear:
         Equal to ``F.cross_entropy(self(x).float(), target, ...)`` over the flattened tokens,
         with its gradients, but computed a chunk of tokens at a time: each chunk's logits
         are turned into its loss and, when a gradient is needed, into its share of the
-        gradients of ``x`` and of the tied weight, in the forward pass, in one reused
-        buffer. At most one chunk's logits exist at once, so a long sequence over a large
-        vocabulary needs a fraction of the plain path's memory, in the same matrix
-        products. Backward only scales the saved gradients. With no gradient needed
-        (``torch.no_grad()``, or neither ``x`` nor the weight requiring grad), only the
-        loss is computed.
+        gradients of ``x`` and of the tied weight, in the forward pass, in two reused
+        buffers (the logits and their softmax). At most one chunk's logits exist at once,
+        so a long sequence over a large vocabulary needs a fraction of the plain path's
+        memory, in the same matrix products. Backward only scales the saved gradients.
+        With no gradient needed (``torch.no_grad()``, or neither ``x`` nor the weight
+        requiring grad), only the loss is computed.
 
         The weight is read live, as by ``__call__``, and its gradient flows to
         ``tied_module``, so a tied embedding receives the sum of the lookup and head
@@ -199,7 +199,8 @@ class TiedLinear:
             label_smoothing: Amount of smoothing in [0.0, 1.0], as in
                 ``F.cross_entropy``.
             chunk_size: Tokens per chunk, or None to bound each chunk's logits to
-                32 MiB (at least 16 tokens); smaller chunks use less memory.
+                32 MiB (at least 16 tokens), and their softmax to as much again;
+                smaller chunks use less memory.
 
         Returns:
             The scalar loss.
