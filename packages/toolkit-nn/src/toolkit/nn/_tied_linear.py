@@ -168,15 +168,16 @@ class TiedLinear:
     ) -> torch.Tensor:
         """The cross-entropy of ``self(x)`` against ``target``, without the full logits.
 
-        Equal to ``F.cross_entropy(self(x).float(), target, ...)`` over the flattened tokens,
-        with its gradients, but computed a chunk of tokens at a time: each chunk's logits
-        are turned into its loss and, when a gradient is needed, into its share of the
-        gradients of ``x`` and of the tied weight, in the forward pass, in two reused
-        buffers (the logits and their softmax). At most one chunk's logits exist at once,
-        so a long sequence over a large vocabulary needs a fraction of the plain path's
-        memory, in the same matrix products. Backward only scales the saved gradients.
-        With no gradient needed (``torch.no_grad()``, or neither ``x`` nor the weight
-        requiring grad), only the loss is computed.
+        Equal to ``F.cross_entropy(self(x), target, ...)`` over the flattened tokens, with
+        the logits widened to float32 for bfloat16 and float16 inputs, and its gradients,
+        but computed a chunk of tokens at a time: each chunk's logits are turned into its
+        loss and, when a gradient is needed, into its share of the gradients of ``x`` and
+        of the tied weight, in the forward pass, in two reused buffers (the logits and
+        their softmax). At most one chunk's logits exist at once, so a long sequence over
+        a large vocabulary needs a fraction of the plain path's memory, in the same matrix
+        products. Backward only scales the saved gradients. With no gradient needed
+        (``torch.no_grad()``, or neither ``x`` nor the weight requiring grad), only the
+        loss is computed.
 
         The weight is read live, as by ``__call__``, and its gradient flows to
         ``tied_module``, so a tied embedding receives the sum of the lookup and head
