@@ -274,14 +274,14 @@ def test_a_second_backward_through_the_same_loss_raises() -> None:
 @pytest.mark.parametrize(
     ("dtype", "vocab", "tokens", "chunks"),
     [
-        (torch.float32, 32000, 600, 3),  # 32 MiB / (32000 * 4 B) = 262 tokens a chunk
-        (torch.bfloat16, 32000, 600, 3),  # accumulated in float32: the same buffer
-        (torch.float64, 32000, 300, 3),  # 131 tokens a chunk
-        (torch.float32, 32000, 200, 1),  # never more tokens than there are
-        (torch.float32, 700000, 40, 3),  # 11 tokens would fit: at least 16 a chunk
+        (torch.float32, 32000, 1200, 3),  # 64 MiB / (32000 * 4 B) = 524 tokens a chunk
+        (torch.bfloat16, 32000, 1200, 3),  # accumulated in float32: the same buffer
+        (torch.float64, 32000, 600, 3),  # 262 tokens a chunk
+        (torch.float32, 32000, 500, 1),  # never more tokens than there are
+        (torch.float32, 1_100_000, 32, 2),  # 15 tokens would fit: at least 16 a chunk
     ],
 )
-def test_the_default_chunk_bounds_the_logits_buffer_to_32_mib(
+def test_the_default_chunk_bounds_the_logits_buffer_to_64_mib(
     dtype: torch.dtype, vocab: int, tokens: int, chunks: int
 ) -> None:
     head = TiedLinear(nn.Embedding(vocab, 1, dtype=dtype))

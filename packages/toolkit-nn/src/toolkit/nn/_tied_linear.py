@@ -200,7 +200,7 @@ class TiedLinear:
             label_smoothing: Amount of smoothing in [0.0, 1.0], as in
                 ``F.cross_entropy``.
             chunk_size: Tokens per chunk, or None to bound each chunk's logits to
-                32 MiB (at least 16 tokens), and their softmax to as much again;
+                64 MiB (at least 16 tokens), and their softmax to as much again;
                 smaller chunks use less memory.
 
         Returns:
