@@ -39,6 +39,7 @@ SUBJECTS: dict[str, str] = {
     "dict": "module_dict",
     "tensor-parallel": "tensor_parallel",
     "pipeline": "pipeline",
+    "cross-entropy": "cross_entropy",
 }
 # Sections run at --threads torch threads; every other one starts at --small-threads.
 MANY_THREADS = frozenset({"lm-head"})

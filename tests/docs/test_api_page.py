@@ -111,3 +111,10 @@ def test_docstrings_render_as_markdown(name: str, sections: dict[str, str]) -> N
     assert SPHINX_ROLE.search(sections[name]) is None
     assert "<blockquote" not in sections[f"{name} html"]
     assert "Examples: >>> import" in sections[name]
+
+
+def test_tied_linear_lists_cross_entropy(sections: dict[str, str]) -> None:
+    assert (
+        "cross_entropy The cross-entropy of self(x) against target, without the full logits."
+        in sections["TiedLinear"]
+    )

@@ -334,6 +334,7 @@ CHECK_MODULES: tuple[str, ...] = (
     "tests.nn.distributed.entries_checks",
     "tests.nn.distributed.pipeline_checks",
     "tests.nn.distributed.mutation_checks",
+    "tests.nn.distributed.cross_entropy_checks",
 )
 
 

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toolkit.nn._cross_entropy import linear_cross_entropy
+
 __all__ = ["TiedLinear"]
 
 
@@ -174,6 +176,91 @@ class TiedLinear:
         else:
             features = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"TiedLinear({features}, tied_to={tied}.weight)"
+
+    def cross_entropy(
+        self,
+        x: torch.Tensor,
+        target: torch.Tensor,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        chunk_size: int | None = None,
+    ) -> torch.Tensor:
+        """The cross-entropy of ``self(x)`` against ``target``, without the full logits.
+
+        Equal to ``F.cross_entropy(self(x), target, ...)`` over the flattened tokens, with
+        the logits widened to float32 for bfloat16 and float16 inputs, and its gradients,
+        but computed a chunk of tokens at a time: each chunk's logits are turned into its
+        loss and, when a gradient is needed, into its share of the gradients of ``x`` and
+        of the tied weight, in the forward pass, in two reused buffers (the logits and
+        their softmax). At most one chunk's logits exist at once, so a long sequence over
+        a large vocabulary needs a fraction of the plain path's memory, in the same matrix
+        products. Backward only scales the saved gradients. With no gradient needed
+        (``torch.no_grad()``, or neither ``x`` nor the weight requiring grad), only the
+        loss is computed.
+
+        The weight is read live, as by ``__call__``, and its gradient flows to
+        ``tied_module``, so a tied embedding receives the sum of the lookup and head
+        gradients. Hooks on ``linear`` are not called: the logits they would see never
+        exist. bfloat16 and float16 inputs are multiplied in their dtype, like
+        ``self(x)``, and accumulated in float32; the loss is float32 for them and has the
+        input's dtype otherwise.
+
+        Under FSDP2 the weight must be unsharded when this runs: call it inside the
+        forward of the unit that holds ``tied_module`` (such as the root), or register
+        the method that calls it with
+        ``torch.distributed.fsdp.register_fsdp_forward_method``.
+
+        Args:
+            x: Input of shape (..., in_features).
+            target: Class indices of an integer dtype, with ``x``'s leading shape.
+            ignore_index: Target value that is not counted, as in ``F.cross_entropy``.
+            reduction: ``"mean"`` over the counted tokens (nan when none is counted, as
+                in ``F.cross_entropy``) or ``"sum"``.
+            label_smoothing: Amount of smoothing in [0.0, 1.0], as in
+                ``F.cross_entropy``.
+            chunk_size: Tokens per chunk, or None to bound each chunk's logits to
+                64 MiB (at least 16 tokens), and their softmax to as much again;
+                smaller chunks use less memory.
+
+        Returns:
+            The scalar loss.
+
+        Raises:
+            ValueError: If ``reduction``, ``label_smoothing`` or ``chunk_size`` is
+                invalid, or the shapes of ``x``, ``target`` and the weight disagree.
+            TypeError: If ``target`` is not an integer tensor, or ``x`` is not a
+                floating-point tensor of the weight's dtype.
+            IndexError: If a counted target is outside ``[0, out_features)``.
+            RuntimeError: If the weight is a DTensor (FSDP2 resharded it, or tensor
+                parallelism shards the vocabulary); the message names the fix.
+
+        Added in version v3.58.0.
+
+        Examples:
+            >>> import torch
+            >>> import torch.nn.functional as F
+            >>> from torch import nn
+            >>> from toolkit.nn import TiedLinear
+            >>> head = TiedLinear(nn.Embedding(100, 16))
+            >>> x, target = torch.randn(8, 16), torch.randint(0, 100, (8,))
+            >>> loss = head.cross_entropy(x, target, chunk_size=3)
+            >>> torch.allclose(loss, F.cross_entropy(head(x), target))
+            True
+        """
+        weight: torch.Tensor = self.tied_module.weight  # type: ignore[assignment]
+        if _is_dtensor(weight):
+            raise _dtensor_cross_entropy_error(self, weight)
+        return linear_cross_entropy(
+            x,
+            weight,
+            target,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            chunk_size=chunk_size,
+        )
 
 
 def _describe(module: nn.Module) -> str:
@@ -355,4 +442,19 @@ def _sharded_weight_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
         "group it with the module that calls TiedLinear in one unit "
         "(fully_shard([tied_module, caller])), or keep its weight unsharded after forward "
         "with fully_shard(tied_module, reshard_after_forward=False)."
+    )
+
+
+def _dtensor_cross_entropy_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
+    """The error for ``cross_entropy`` on a weight that is a DTensor."""
+    tied = _describe(tl.tied_module)
+    placements = getattr(weight, "placements", ())
+    return RuntimeError(
+        f"TiedLinear.cross_entropy cannot use the weight of the tied module {tied}: it is a "
+        f"DTensor with placements {tuple(placements)}, and the chunked loss needs the whole "
+        "vocabulary on every rank. Under FSDP2, call cross_entropy inside the forward of the "
+        "unit that holds the tied module, or register the method that calls it with "
+        "torch.distributed.fsdp.register_fsdp_forward_method(model, 'method_name'). Under "
+        "tensor parallelism, compute the logits with head(x) and take F.cross_entropy of "
+        "them inside torch.distributed.tensor.parallel.loss_parallel()."
     )
