@@ -342,7 +342,9 @@ def extra_checks(world_size: int, checkpoint_dir: Path) -> dict[str, Callable[[]
     """The checks that the modules of :data:`CHECK_MODULES` run at ``world_size``."""
     checks: dict[str, Callable[[], Any]] = {}
     for name in CHECK_MODULES:
-        checks.update(importlib.import_module(name).checks(world_size, checkpoint_dir))
+        module = importlib.import_module(name)
+        if world_size in module.WORLD_SIZES:
+            checks.update(module.checks(world_size, checkpoint_dir))
     return checks
 
 

@@ -16,7 +16,7 @@ from tests.nn.distributed.launch import RanksFailedError, run_ranks
 # The hard bound on one launch. A normal two-rank run takes about 15 s on two cores; a
 # collective that hangs fails after workers.COLLECTIVE_TIMEOUT, and anything still running at
 # the bound is killed, so no hang can stall the suite.
-TIMEOUT = 150.0
+TIMEOUT = 240.0
 
 # The setups each world size runs. Three ranks on two cores are slower: they run the
 # setups whose sharding differs most from the two-rank one.
