@@ -1,14 +1,17 @@
 """Documentation pages whose examples run on several gloo ranks, as one ``torchrun`` script.
 
 The generic docs test runs only blocks fenced exactly ```python, in a single process. A page
-whose code needs a process group fences it ```py instead; its test passes the blocks of
-:func:`blocks` to :func:`tests.nn.distributed.workers.run_script` through ``run_ranks``.
+whose code needs a process group fences it ```py instead, and its test runs them with
+:func:`run_page`: in order, in one namespace, on gloo ranks, as ``torchrun`` would.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from tests.nn.distributed import workers
+from tests.nn.distributed.launch import run_ranks
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
@@ -27,3 +30,12 @@ def blocks(page: Path, kind: str) -> list[tuple[int, str]]:
         for m in FENCE.finditer(text)
         if m.group(1) == kind
     ]
+
+
+def run_page(page: Path, world_size: int = 2, timeout: float = 120.0) -> list[dict[str, object]]:
+    """Run the ```py blocks of ``page`` as one script on ``world_size`` ranks.
+
+    Returns:
+        Each rank's namespace afterwards, its picklable values only, by rank.
+    """
+    return run_ranks(workers.run_script, world_size, blocks(page, "py"), str(page), timeout=timeout)

@@ -14,7 +14,7 @@ import torch
 
 from tests.nn.distributed.cross_entropy_checks import STEPS
 from tests.nn.distributed.tiny_lm import reference_training
-from tests.nn.distributed.worlds import Worlds
+from tests.nn.distributed.worlds import Worlds, per_rank
 
 WORLD = 2
 FIXES = (
@@ -24,15 +24,6 @@ FIXES = (
     "parallelism, compute the logits with head(x) and take F.cross_entropy of them inside "
     "torch.distributed.tensor.parallel.loss_parallel()."
 )
-
-
-def per_rank(worlds: Worlds, check: str) -> list[Any]:
-    """What ``check`` returned on each rank; fails with the rank's traceback if it raised."""
-    values = [results[check] for results in worlds[WORLD]]
-    for rank, value in enumerate(values):
-        if isinstance(value, Exception):
-            pytest.fail(f"{check} raised on rank {rank}:\n{value}")
-    return values
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +36,7 @@ def test_fsdp2_training_matches_the_single_process_reference(
     worlds: Worlds, reference: dict[str, Any], where: str
 ) -> None:
     """The loss in the root's forward, or in a method registered with FSDP2."""
-    for rank, result in enumerate(per_rank(worlds, f"cross_entropy/{where}")):
+    for rank, result in enumerate(per_rank(worlds, WORLD, f"cross_entropy/{where}")):
         expected_losses = [step[rank] for step in reference["losses"][:STEPS]]
         torch.testing.assert_close(result["losses"], expected_losses, rtol=1e-5, atol=1e-5)
         assert len(result["states"]) == STEPS + 1
@@ -63,7 +54,7 @@ def test_fsdp2_training_matches_the_single_process_reference(
 def test_a_weight_sharded_on_the_vocabulary_is_refused_with_the_fixes(
     worlds: Worlds, check: str
 ) -> None:
-    for message in per_rank(worlds, f"cross_entropy/{check}"):
+    for message in per_rank(worlds, WORLD, f"cross_entropy/{check}"):
         assert message == (
             "TiedLinear.cross_entropy cannot use the weight of the tied module Embedding(17, 8): "
             "it is a DTensor with placements (Shard(dim=0),), and the chunked loss needs the "

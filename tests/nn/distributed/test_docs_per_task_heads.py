@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.nn.distributed import workers
-from tests.nn.distributed.launch import run_ranks
-from tests.nn.distributed.pages import DOCS, blocks, fences
+from tests.nn.distributed.pages import DOCS, fences, run_page
 
 PAGE = DOCS / "per-task-heads.md"
-TIMEOUT = 120.0
 
 
 @pytest.fixture(scope="module")
 def namespaces() -> list[dict[str, object]]:
-    return run_ranks(workers.run_script, 2, blocks(PAGE, "py"), str(PAGE), timeout=TIMEOUT)
+    return run_page(PAGE)
 
 
 def test_the_page_has_multi_rank_blocks_and_single_process_blocks() -> None:

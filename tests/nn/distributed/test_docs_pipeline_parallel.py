@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.nn.distributed import workers
-from tests.nn.distributed.launch import run_ranks
-from tests.nn.distributed.pages import DOCS, blocks, fences
+from tests.nn.distributed.pages import DOCS, blocks, fences, run_page
 
 PAGE = DOCS / "pipeline-parallel.md"
-TIMEOUT = 120.0
 
 
 @pytest.fixture(scope="module")
 def namespaces() -> list[dict[str, object]]:
-    return run_ranks(workers.run_script, 2, blocks(PAGE, "py"), str(PAGE), timeout=TIMEOUT)
+    return run_page(PAGE)
 
 
 def test_every_block_of_the_page_is_run_or_checked() -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.nn.distributed.tiny_lm import ReferenceTaskLM, reference_training
-from tests.nn.distributed.worlds import Worlds
+from tests.nn.distributed.worlds import Worlds, per_rank
 
 # The lowest rank that had each entry before the sync (see entries_checks.HEADS_BY_RANK).
 OWNERS = {
@@ -28,15 +28,6 @@ CREATED = {
         ["heads.s", "heads.b", "outer.x.inner.y"],
     ],
 }
-
-
-def per_rank(worlds: Worlds, world_size: int, check: str) -> list[Any]:
-    """What ``check`` returned on each rank; fails with the rank's traceback if it raised."""
-    values = [results[check] for results in worlds[world_size]]
-    for rank, value in enumerate(values):
-        if isinstance(value, Exception):
-            pytest.fail(f"{check} raised on rank {rank}:\n{value}")
-    return values
 
 
 def _owner(world_size: int, key: str) -> int | None:

@@ -15,19 +15,10 @@ import torch
 
 from tests.nn.distributed.pipeline_lm import MAX_NORM, STEPS, reference_pipeline_training
 from tests.nn.distributed.tiny_lm import ReferenceLM
-from tests.nn.distributed.worlds import Worlds
+from tests.nn.distributed.worlds import Worlds, per_rank
 
 TRAINED = [(2, "gpipe"), (2, "1f1b"), (4, "ddp"), (4, "fsdp2")]
 REPLICAS = {2: 1, 4: 2}
-
-
-def per_rank(worlds: Worlds, world_size: int, check: str) -> list[Any]:
-    """What ``check`` returned on each rank; fails with the rank's traceback if it raised."""
-    values = [results[check] for results in worlds[world_size]]
-    for rank, value in enumerate(values):
-        if isinstance(value, Exception):
-            pytest.fail(f"{check} raised on rank {rank}:\n{value}")
-    return values
 
 
 def assert_close(actual: Any, expected: Any, msg: str | None = None) -> None:

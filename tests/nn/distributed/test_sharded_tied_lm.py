@@ -18,7 +18,7 @@ from tests.nn.distributed.tiny_lm import (
     reference_path_updates,
     reference_training,
 )
-from tests.nn.distributed.worlds import WORLDS, Worlds
+from tests.nn.distributed.worlds import WORLDS, Worlds, per_rank
 
 CASES = [(world, setup) for world, setups in WORLDS.items() for setup in setups]
 IDS = [f"{world}ranks-{setup}" for world, setup in CASES]
@@ -30,15 +30,6 @@ FSDP2_CASES = [(world, setup) for world, setup in CASES if setup.startswith("fsd
 def assert_close(actual: Any, expected: Any, msg: str | None = None) -> None:
     """Equal up to float32 rounding in a different order of operations."""
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=msg)
-
-
-def per_rank(worlds: Worlds, world_size: int, check: str) -> list[Any]:
-    """What ``check`` returned on each rank; fails with the rank's traceback if it raised."""
-    values = [results[check] for results in worlds[world_size]]
-    for rank, value in enumerate(values):
-        if isinstance(value, Exception):
-            pytest.fail(f"{check} raised on rank {rank}:\n{value}")
-    return values
 
 
 def assert_states_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.nn.distributed.test_sharded_tied_lm import assert_close, assert_states_close, per_rank
+from tests.nn.distributed.test_sharded_tied_lm import assert_close, assert_states_close
 from tests.nn.distributed.tiny_lm import LR, ReferenceLM, batches, initial_state, loss_fn, rank_rows
 from tests.nn.distributed.tp_checks import ALL_ROWS, DATA_RANKS, STEPS
-from tests.nn.distributed.worlds import Worlds
+from tests.nn.distributed.worlds import Worlds, per_rank
 
 SHARDED_LOGITS = ["(Shard(dim=2),)"]
 TP_RUNS = {

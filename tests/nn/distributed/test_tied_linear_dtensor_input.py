@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from tests.nn.distributed.mutation_checks import WORLD_SIZES
-from tests.nn.distributed.test_sharded_tied_lm import per_rank
 from tests.nn.distributed.tiny_lm import DIM, VOCAB
-from tests.nn.distributed.worlds import Worlds
+from tests.nn.distributed.worlds import Worlds, per_rank
 
 
 def test_a_wrong_width_with_both_dtensors_is_the_shape_error_on_every_rank(

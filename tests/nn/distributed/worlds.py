@@ -10,6 +10,8 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.nn.distributed import workers
 from tests.nn.distributed.launch import RanksFailedError, run_ranks
 
@@ -56,3 +58,12 @@ class Worlds:
         if isinstance(result, RanksFailedError):
             raise result
         return result
+
+
+def per_rank(worlds: Worlds, world_size: int, check: str) -> list[Any]:
+    """What ``check`` returned on each rank; fails with the rank's traceback if it raised."""
+    values = [results[check] for results in worlds[world_size]]
+    for rank, value in enumerate(values):
+        if isinstance(value, Exception):
+            pytest.fail(f"{check} raised on rank {rank}:\n{value}")
+    return values

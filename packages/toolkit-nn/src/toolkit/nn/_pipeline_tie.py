@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.nn._tied_linear import TiedLinear, _describe, _is_dtensor
+from toolkit.nn._tied_linear import TiedLinear
+from toolkit.nn._tied_linear_diagnosis import _describe, _is_dtensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
