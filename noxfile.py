@@ -264,8 +264,15 @@ def mutation(session: nox.Session) -> None:
     reports the score. The packages are installed, not editable: the tests import the mutated
     copy, which comes first on the path. Arguments after ``--`` go to the script:
     ``--changed`` mutates only the sources that differ from the last recorded full run,
-    ``--record`` records a full run that passed.
+    ``--record`` records a full run that passed. With ``--changed`` and nothing to mutate, it
+    skips before installing anything.
     """
+    if "--changed" in session.posargs:
+        # Choosing the files needs only the standard library: skip the installs when there
+        # is nothing to mutate, as on a clean checkout of a recorded main.
+        plan = session.run("python", "scripts/mutation.py", "--list", *session.posargs, silent=True)
+        if isinstance(plan, str) and "nothing to mutate" in plan:
+            session.skip("no source file differs from the last recorded full run")
     session.install("-c", str(CONSTRAINTS), *map(package_dir, PACKAGES), *requirements("mutation"))
     session.install("--no-deps", *requirements("torchtune-reference"))
     session.run("pytest", "tests/mutation", "-q")

@@ -399,6 +399,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="keep the fast pass of the last run in .mutation/ and redo only what follows it, "
         "such as after editing the equivalent list",
     )
+    parser.add_argument(
+        "--list",
+        action="store_true",
+        help="print the source files the run would mutate and exit, without mutmut or torch",
+    )
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
     options = parser.parse_args(argv)
     if options.record and options.changed:
@@ -412,6 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no source file differs from the last recorded full run: nothing to mutate")
         return 0
     print("mutating:", *selected, sep="\n  ")
+    if options.list:
+        return 0
 
     modules = [rel.removeprefix("src/").removesuffix(".py").replace("/", ".") for rel in selected]
     if not options.reuse:

@@ -110,3 +110,36 @@ def test_a_listed_survivor_is_equivalent_and_an_unmatched_entry_is_stale(
     # Only entries of the modules that were mutated can be judged stale.
     assert outcome.stale == [gone]
     assert not mutation.report(outcome, 0.0)
+
+
+def test_list_prints_the_files_to_mutate_and_touches_nothing(
+    mutation: ModuleType, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    laid_out: list[object] = []
+    monkeypatch.setattr(mutation, "lay_out_workspace", laid_out.append)
+    assert mutation.main(["--list"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["mutating:", *(f"  {rel}" for rel in mutation.source_files())]
+    assert laid_out == []
+
+
+def test_changed_with_every_source_recorded_has_nothing_to_mutate(
+    mutation: ModuleType,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    sources = mutation.source_files()
+    record = tmp_path / "full_run.toml"
+    record.write_text(
+        "[sources]\n"
+        + "".join(
+            f'"{path.relative_to(mutation.ROOT)}" = "{mutation.digest(path)}"\n'
+            for path in sources.values()
+        )
+    )
+    monkeypatch.setattr(mutation, "FULL_RUN", record)
+    assert mutation.main(["--changed", "--list"]) == 0
+    assert capsys.readouterr().out == (
+        "no source file differs from the last recorded full run: nothing to mutate\n"
+    )
