@@ -2,9 +2,10 @@
 
 ``linear_cross_entropy`` is called directly: its own defaults, its buffers' device under a
 different default device, float64 at float64's precision, ``reduction="sum"`` gradients, no
-tokens at all, the dtypes its backward returns, the default chunk rule at its bounds, and the
-shape error of a 3-D input. Every expected value is written here with ``F.linear`` and
-``F.cross_entropy`` or by hand, never with the code under test.
+tokens at all, a float16 loss scale beyond float16's range, the dtypes its backward returns,
+the default chunk rule at its bounds, and the shape error of a 3-D input. Every expected value
+is written here with ``F.linear`` and ``F.cross_entropy`` or by hand, never with the code under
+test.
 """
 
 from __future__ import annotations
@@ -118,6 +119,19 @@ def test_no_tokens_give_what_f_cross_entropy_gives(vocab: int, reduction: str) -
     for actual, expected in zip(ours, plain, strict=True):
         torch.testing.assert_close(actual, expected, equal_nan=True)
     assert ours[0].isnan().item() == (reduction == "mean")
+
+
+def test_a_float16_loss_scale_beyond_float16_range_gives_finite_gradients() -> None:
+    """A loss scaled by 65536 (a common initial loss scale; float16 tops out at 65504): the
+    gradients are those of the plain path, which scales the float32 logits' gradient."""
+    x, weight, target = _inputs(6, 5, 3, torch.float16)
+    scale = 65536.0
+    ours = _grads(lambda x, w: linear_cross_entropy(x, w, target), x, weight, scale)
+    plain = _grads(lambda x, w: F.cross_entropy(F.linear(x, w).float(), target), x, weight, scale)
+    for actual, expected in zip(ours[1:], plain[1:], strict=True):
+        assert actual.dtype == torch.float16
+        assert bool(actual.isfinite().all())
+        torch.testing.assert_close(actual, expected, rtol=5e-3, atol=16.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])

@@ -232,10 +232,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             )
         ctx.used = True
         grad_x, grad_w = ctx.saved_tensors
+        # grad_loss has the loss's dtype, the accumulation dtype; it is not converted to a
+        # reduced input dtype first, for float16 cannot hold a loss scale such as 65536.
         if grad_x is not None:
-            grad_x = grad_x.mul_(grad_loss.to(grad_x.dtype)).reshape(ctx.x_shape)
+            grad_x = grad_x.mul_(grad_loss).reshape(ctx.x_shape)
         if grad_w is not None:
-            grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype)).to(ctx.weight_dtype)
+            grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)
         return grad_x, grad_w, None, None, None, None, None
 
 
