@@ -130,7 +130,6 @@ def _chunks(
     # The gradient of a mean divides by the number of counted tokens. With none counted the
     # loss is 0 / 0 = nan, as in F.cross_entropy, and every gradient is zero.
     grad_scale = 1.0 / count.clamp(min=1) if reduction == "mean" else count.new_ones(())
-    smooth = label_smoothing / vocab if vocab else 0.0
     total = torch.zeros((), dtype=acc, device=x.device)
     rows = min(chunk_size, num_tokens)
     logits = torch.empty((rows, vocab), dtype=acc, device=x.device)
@@ -163,7 +162,7 @@ def _chunks(
         row_scale = keep.to(acc) * grad_scale
         grad = p.mul_(row_scale.unsqueeze(1))
         if label_smoothing:
-            grad.sub_((row_scale * smooth).unsqueeze(1))
+            grad.sub_((row_scale * (label_smoothing / vocab)).unsqueeze(1))
         grad.scatter_add_(1, index, (-(1.0 - label_smoothing) * row_scale).unsqueeze(1))
         if grad_x is not None:
             if reduced:
@@ -171,7 +170,7 @@ def _chunks(
             else:
                 torch.mm(grad, weight, out=grad_x[start:stop])
         if grad_w is not None:
-            grad_w.addmm_(grad.t(), x_c.to(acc) if reduced else x_c)
+            grad_w.addmm_(grad.t(), x_c.to(acc))
     return total / count if reduction == "mean" else total
 
 
@@ -233,10 +232,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             )
         ctx.used = True
         grad_x, grad_w = ctx.saved_tensors
+        # grad_loss has the loss's dtype, the accumulation dtype; it is not converted to a
+        # reduced input dtype first, for float16 cannot hold a loss scale such as 65536.
         if grad_x is not None:
-            grad_x = grad_x.mul_(grad_loss.to(grad_x.dtype)).reshape(ctx.x_shape)
+            grad_x = grad_x.mul_(grad_loss).reshape(ctx.x_shape)
         if grad_w is not None:
-            grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype)).to(ctx.weight_dtype)
+            grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)
         return grad_x, grad_w, None, None, None, None, None
 
 

@@ -1,0 +1,177 @@
+"""The chunked cross-entropy kernel behind TiedLinear.cross_entropy, at its edges.
+
+``linear_cross_entropy`` is called directly: its own defaults, its buffers' device under a
+different default device, float64 at float64's precision, ``reduction="sum"`` gradients, no
+tokens at all, a float16 loss scale beyond float16's range, the dtypes its backward returns,
+the default chunk rule at its bounds, and the shape error of a 3-D input. Every expected value
+is written here with ``F.linear`` and ``F.cross_entropy`` or by hand, never with the code under
+test.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from toolkit.nn._cross_entropy import default_chunk_size, linear_cross_entropy
+
+
+def _inputs(
+    tokens: int, vocab: int, width: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(tokens * 100 + vocab)
+    x = torch.randn(tokens, width, generator=generator).to(dtype)
+    weight = torch.randn(vocab, width, generator=generator).to(dtype)
+    target = torch.randint(0, max(vocab, 1), (tokens,), generator=generator)
+    return x, weight, target
+
+
+def _grads(
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loss and the gradients of ``scale * loss`` for fresh leaves holding x and weight."""
+    x = x.detach().clone().requires_grad_()
+    weight = weight.detach().clone().requires_grad_()
+    loss = loss_of(x, weight)
+    grad_x, grad_w = torch.autograd.grad(loss * scale, (x, weight))
+    return loss.detach(), grad_x, grad_w
+
+
+def test_the_defaults_are_those_of_f_cross_entropy() -> None:
+    """No reduction, smoothing or ignore_index given: a mean, unsmoothed, -100 ignored."""
+    x, weight, target = _inputs(6, 5, 3)
+    target[2] = -100
+    ours = _grads(lambda x, w: linear_cross_entropy(x, w, target), x, weight)
+    plain = _grads(lambda x, w: F.cross_entropy(F.linear(x, w), target), x, weight)
+    for actual, expected in zip(ours, plain, strict=True):
+        torch.testing.assert_close(actual, expected)
+
+
+def test_buffers_follow_the_input_not_the_default_device() -> None:
+    """Under another default device (meta here), CPU inputs give CPU results, equal to the
+    plain path's: every buffer is allocated on the input's device."""
+    x, weight, target = _inputs(7, 5, 3)
+    plain = _grads(lambda x, w: F.cross_entropy(F.linear(x, w), target), x, weight)
+    with torch.device("meta"):
+        ours = _grads(lambda x, w: linear_cross_entropy(x, w, target, chunk_size=3), x, weight)
+        with torch.no_grad():
+            loss_only = linear_cross_entropy(x, weight, target, chunk_size=3)
+    for actual, expected in zip((*ours, loss_only), (*plain, plain[0]), strict=True):
+        assert actual.device == torch.device("cpu")
+        torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_float64_matches_f_cross_entropy_to_float64_precision(reduction: str) -> None:
+    """Three counted tokens: a mean's 1 / 3 is kept in float64, not rounded to float32."""
+    x, weight, target = _inputs(5, 4, 3, torch.float64)
+    target[1] = target[3] = -100
+    ours = _grads(
+        lambda x, w: linear_cross_entropy(x, w, target, reduction=reduction, chunk_size=2),
+        x,
+        weight,
+        scale=0.7,
+    )
+    plain = _grads(
+        lambda x, w: F.cross_entropy(F.linear(x, w), target, reduction=reduction),
+        x,
+        weight,
+        scale=0.7,
+    )
+    for actual, expected in zip(ours, plain, strict=True):
+        assert actual.dtype == torch.float64
+        torch.testing.assert_close(actual, expected, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.25])
+def test_the_gradients_of_a_sum_are_not_divided_by_the_count(label_smoothing: float) -> None:
+    x, weight, target = _inputs(6, 5, 3)
+    target[0] = -100
+    options: dict[str, Any] = {"reduction": "sum", "label_smoothing": label_smoothing}
+    ours = _grads(
+        lambda x, w: linear_cross_entropy(x, w, target, chunk_size=4, **options), x, weight
+    )
+    plain = _grads(lambda x, w: F.cross_entropy(F.linear(x, w), target, **options), x, weight)
+    for actual, expected in zip(ours, plain, strict=True):
+        torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("vocab", [0, 4])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_no_tokens_give_what_f_cross_entropy_gives(vocab: int, reduction: str) -> None:
+    """No tokens, even with an empty vocabulary: nan for a mean (0 / 0), 0 for a sum, and
+    empty gradients."""
+    x, weight, target = _inputs(0, vocab, 3)
+    ours = _grads(lambda x, w: linear_cross_entropy(x, w, target, reduction=reduction), x, weight)
+    plain = _grads(
+        lambda x, w: F.cross_entropy(F.linear(x, w), target, reduction=reduction), x, weight
+    )
+    assert ours[1].shape == (0, 3)
+    assert ours[2].shape == (vocab, 3)
+    for actual, expected in zip(ours, plain, strict=True):
+        torch.testing.assert_close(actual, expected, equal_nan=True)
+    assert ours[0].isnan().item() == (reduction == "mean")
+
+
+def test_a_float16_loss_scale_beyond_float16_range_gives_finite_gradients() -> None:
+    """A loss scaled by 65536 (a common initial loss scale; float16 tops out at 65504): the
+    gradients are those of the plain path, which scales the float32 logits' gradient."""
+    x, weight, target = _inputs(6, 5, 3, torch.float16)
+    scale = 65536.0
+    ours = _grads(lambda x, w: linear_cross_entropy(x, w, target), x, weight, scale)
+    plain = _grads(lambda x, w: F.cross_entropy(F.linear(x, w).float(), target), x, weight, scale)
+    for actual, expected in zip(ours[1:], plain[1:], strict=True):
+        assert actual.dtype == torch.float16
+        assert bool(actual.isfinite().all())
+        torch.testing.assert_close(actual, expected, rtol=5e-3, atol=16.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_backward_itself_returns_each_gradient_in_its_input_dtype(dtype: torch.dtype) -> None:
+    """The loss is float32 for reduced inputs; backward (called here on the graph's node, with
+    no engine to convert what it returns) gives the gradients of x and weight their dtype."""
+    x, weight, target = _inputs(4, 5, 3, dtype)
+    loss = linear_cross_entropy(x.requires_grad_(), weight.requires_grad_(), target)
+    # The node of a custom Function: its apply runs the Function's backward and nothing else.
+    node: Any = loss.grad_fn
+    grad_x, grad_w, *rest = node.apply(torch.ones((), dtype=loss.dtype))
+    assert (grad_x.dtype, grad_w.dtype) == (dtype, dtype)
+    assert (grad_x.shape, grad_w.shape) == ((4, 3), (5, 3))
+    assert rest == [None] * 5
+
+
+@pytest.mark.parametrize(
+    ("tokens", "vocab", "dtype", "chunk"),
+    [
+        (10_000, 32_000, torch.float32, 524),  # 64 MiB // (32000 * 4 B)
+        (10_000, 32_000, torch.float64, 262),  # 64 MiB // (32000 * 8 B)
+        (100, 32_000, torch.float32, 100),  # never more than the tokens
+        (1, 32_000, torch.float32, 1),  # one token: one row
+        (0, 32_000, torch.float32, 1),  # no tokens: still a valid step
+        (1000, 10**7, torch.float32, 16),  # 1.6 would fit: at least 16
+        (2**26, 0, torch.float32, 2**26),  # no bytes a token: every token in one chunk
+    ],
+)
+def test_the_default_chunk_rule_at_its_bounds(
+    tokens: int, vocab: int, dtype: torch.dtype, chunk: int
+) -> None:
+    assert default_chunk_size(tokens, vocab, dtype) == chunk
+
+
+def test_the_shape_error_of_a_3d_input_names_its_leading_shape() -> None:
+    x, weight = torch.zeros(2, 4, 3), torch.zeros(5, 3)
+    target = torch.zeros(4, 2, dtype=torch.long)
+    expected = (
+        "cross_entropy target has shape (4, 2), but the input has shape (2, 4, 3): the target "
+        "must have the input's leading shape (2, 4), one class index per row"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(expected) + "$"):
+        linear_cross_entropy(x, weight, target)
