@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, ScheduleLoopedBFS
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.nn.parallel import DistributedDataParallel
 
 from tests.nn.distributed.pipeline_lm import (
     MAX_NORM,
@@ -277,3 +278,91 @@ def test_clipping_a_stage_without_a_copy_counts_every_parameter() -> None:
     torch.testing.assert_close(pipeline_clip_grad_norm_(middle.parameters(), 0.5), expected)
     for param, twin in zip(middle.parameters(), copy.parameters(), strict=True):
         torch.testing.assert_close(param.grad, twin.grad)
+
+
+def test_the_default_group_is_the_default_process_group() -> None:
+    assert PipelineTie(two_stages()).group is dist.group.WORLD
+
+
+def test_stages_wrapped_by_ddp_are_tied_under_the_whole_models_names() -> None:
+    first, last = two_stages()
+    tie = PipelineTie([DistributedDataParallel(first), DistributedDataParallel(last)])
+    assert tie.names == ("emb",)
+    assert [id(w) for w in tie.duplicates()] == [id(last.emb.weight)]
+
+
+def test_a_middle_stage_without_a_copy_is_passed_over_on_its_rank() -> None:
+    model = whole_model(initial_state())
+    first, middle, last = (split(model, i, 3) for i in range(3))
+    assert "emb" not in dict(middle.named_children())
+    tie = PipelineTie([first, middle, last])
+    assert repr(tie) == "PipelineTie(names=['emb'], copies_on_this_rank={emb: 2}, group_size=1)"
+    assert [id(w) for w in tie.duplicates()] == [id(last.emb.weight)]
+
+
+class TwoTables(nn.Module):
+    """Two tied modules, each read by its own head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.words = nn.Embedding(6, 4)
+        self.tags = nn.Embedding(3, 4)
+        self.word_head = TiedLinear(self.words)
+        self.tag_head = TiedLinear(self.tags)
+
+
+def test_the_repr_lists_every_tied_module() -> None:
+    assert repr(PipelineTie(TwoTables())) == (
+        "PipelineTie(names=['tags', 'words'], copies_on_this_rank={tags: 1, words: 1}, "
+        "group_size=1)"
+    )
+
+
+class TopLevelHead(nn.Module):
+    """A TiedLinear held by the stage itself, reading a module registered nowhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.head = TiedLinear(nn.Embedding(5, 4))
+
+
+def test_a_head_held_by_the_stage_itself_is_named_by_its_attribute() -> None:
+    assert refused(TopLevelHead()) == (
+        "PipelineTie refused group rank 0's stages: its stage 0 has a TiedLinear at 'head' "
+        "that reads Embedding(5, 4), a module not registered in that stage, so its weight would "
+        "be neither trained, synchronised nor saved. Keep the tied module in the stage under "
+        "its name in the whole model (do not set it to None or replace it) and let the "
+        "TiedLinear read that copy, as a deep copy of the whole model does"
+    )
+
+
+def test_a_tied_module_whose_weight_was_deleted_is_refused() -> None:
+    _, last = two_stages()
+    del last.emb.weight
+    assert refused(last) == (
+        "PipelineTie refused group rank 0's stages: its tied module 'emb' (Embedding(17, 8)) "
+        "has a weight that is not a Parameter but a NoneType; the stages share a trained "
+        "weight, so tie to a module whose weight is a registered Parameter"
+    )
+
+
+def test_clipping_sums_the_norm_in_float32_for_bfloat16_gradients() -> None:
+    torch.manual_seed(10)
+    layer = nn.Linear(8, 8).to(torch.bfloat16)
+    for param in layer.parameters():
+        param.grad = torch.randn_like(param)
+    expected = torch.linalg.vector_norm(
+        torch.cat([p.grad.double().flatten() for p in layer.parameters()])  # type: ignore[union-attr]
+    )
+    norm = pipeline_clip_grad_norm_(layer.parameters(), 0.5)
+    assert norm.dtype == torch.float32
+    torch.testing.assert_close(norm.double(), expected, rtol=1e-2, atol=0)
+
+
+def test_clipping_a_stage_without_gradients_gives_a_zero_norm() -> None:
+    frozen = nn.Linear(4, 4)
+    norm = pipeline_clip_grad_norm_(frozen.parameters(), 0.5)
+    assert norm.dtype == torch.float32
+    assert norm.item() == 0.0
+    assert all(p.grad is None for p in frozen.parameters())

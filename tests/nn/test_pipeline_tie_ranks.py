@@ -1,0 +1,342 @@
+"""PipelineTie and pipeline_clip_grad_norm_ on 2, 3 and 4 ranks, each rank a thread.
+
+The ranks are threads of this process (``tests/nn/threads.py``), so every collective of the
+set-up, the gradient sum and the clipping runs here, in sight of the test. What this file
+proves, against references computed in one process with plain torch:
+
+* A set-up error of one rank is raised on every rank, naming the group rank refused.
+* Two pipelines side by side, each on its own group (a subgroup or a 1-D DeviceMesh), keep to
+  it: the broadcast, the gradient sum, the duplicates and the clipping of one never mix with
+  the other's.
+* ``reduce_grads`` on DTensor weights sums the local shards and fills a missing gradient with a
+  DTensor laid out as the weight, with one ``all_reduce`` and no other collective.
+* ``pipeline_clip_grad_norm_`` over three uneven stages gives the norm and the clipped
+  gradients of ``torch.nn.utils.clip_grad_norm_`` over the whole model, for the 1-, 2-, 3- and
+  inf-norm, with a stage that has no gradient at all; a one-rank pipeline communicates nothing.
+
+Every rank of a test reaches the same collectives on the same groups, so a rank that fails
+wakes the others instead of leaving them waiting.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from tests.nn.distributed.pipeline_lm import StageLM, split, whole_model
+from tests.nn.distributed.tiny_lm import initial_state
+from tests.nn.threads import run_ranks
+from toolkit.nn import PipelineTie, TiedLinear, pipeline_clip_grad_norm_
+
+INF = float("inf")
+
+
+def stages_of(seed: int, num_stages: int) -> list[StageLM]:
+    """The tiny tied LM of ``seed`` cut into ``num_stages`` stages."""
+    model = whole_model(initial_state(seed=seed))
+    return [split(model, i, num_stages) for i in range(num_stages)]
+
+
+def refusal(make: Callable[[int], Any]) -> Callable[[int], str]:
+    """A rank function returning the ValueError that ``make(rank)`` raises on that rank."""
+
+    def rank_main(rank: int) -> str:
+        with pytest.raises(ValueError, match=r"^PipelineTie") as info:
+            make(rank)
+        return " ".join(str(info.value).split())
+
+    return rank_main
+
+
+# Collectives seen per rank: torch.distributed's functions, wrapped while a test records. ------
+
+_recording = threading.local()
+SPIED = ("all_reduce", "broadcast", "all_gather_object", "all_gather", "barrier")
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the collectives called through ``torch.distributed`` log into ``recorded()``."""
+    for name in SPIED:
+        real = getattr(dist, name)
+
+        def logged(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            log = getattr(_recording, "log", None)
+            if log is not None:
+                log.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, logged)
+
+
+class recorded:  # noqa: N801 - used as a context manager, like a function
+    """The names of the collectives this rank's thread calls inside the block."""
+
+    def __enter__(self) -> list[str]:
+        _recording.log = []
+        return _recording.log  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: object) -> None:
+        _recording.log = None
+
+
+# Set-up errors: raised on every rank. ----------------------------------------------------------
+
+
+def test_a_middle_rank_without_a_copy_in_the_group_is_refused_on_every_rank() -> None:
+    stages = stages_of(0, 3)
+    assert "emb" not in dict(stages[1].named_children())  # the middle stage holds no copy
+    messages = run_ranks(3, refusal(lambda rank: PipelineTie(copy.deepcopy(stages[rank]))))
+    expected = (
+        "PipelineTie refused group rank 1's stages: none of its 1 stage(s) has a module 'emb', "
+        "which the group ties; keep the tied module registered under its name in the whole "
+        "model in every stage that holds a copy, and leave ranks without a copy out of the group"
+    )
+    assert messages == [expected] * 3
+
+
+def test_copies_of_different_shapes_on_two_ranks_are_refused_on_every_rank() -> None:
+    first, last = stages_of(0, 2)
+    last.emb = nn.Embedding(5, 8)
+    last.out.head = TiedLinear(last.emb)
+    messages = run_ranks(2, refusal(lambda rank: PipelineTie(copy.deepcopy([first, last][rank]))))
+    expected = (
+        "PipelineTie needs every copy of the tied weights to have one shape, but group rank 0 "
+        "has {'emb': (17, 8)} and group rank 1 has {'emb': (5, 8)}; build every stage from the "
+        "same model"
+    )
+    assert messages == [expected] * 2
+
+
+# Two pipelines side by side: ranks 0 and 1 run pipeline 0, ranks 2 and 3 pipeline 1. ---------
+
+
+def pipeline_group(kind: str) -> tuple[Any, dist.ProcessGroup]:
+    """This rank's pipeline as ``PipelineTie`` takes it, and as the process group it means."""
+    if kind == "mesh":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        return mesh["pp"], mesh["pp"].get_group()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[dist.get_rank() // 2]
+    return group, group
+
+
+def whole_grads(stages: list[StageLM], grads: list[dict[str, torch.Tensor]]) -> list[nn.Parameter]:
+    """The whole model's parameters, each once, holding the gradients the pipeline should give.
+
+    The tied weight's gradient is the sum of the two copies'; every other parameter lives in
+    one stage and keeps its gradient.
+    """
+    params = []
+    for index, stage in enumerate(stages):
+        for name, param in stage.named_parameters():
+            if index == 1 and name == "emb.weight":
+                continue
+            twin = nn.Parameter(param.detach().clone())
+            twin.grad = grads[index][name].clone()
+            if name == "emb.weight":
+                twin.grad += grads[1][name]
+            params.append(twin)
+    assert len(params) == len(dict(whole_model(initial_state()).named_parameters()))
+    return params
+
+
+@pytest.mark.parametrize("kind", ["subgroup", "mesh"])
+def test_two_pipelines_on_their_own_groups_do_not_mix(kind: str) -> None:
+    pipelines = [stages_of(seed, 2) for seed in (0, 1)]
+    torch.manual_seed(5)
+    grads = [
+        [{n: torch.randn_like(p) for n, p in stage.named_parameters()} for stage in stages]
+        for stages in pipelines
+    ]
+    expected: dict[tuple[int, float], Any] = {}
+    for p, stages in enumerate(pipelines):
+        for norm_type in (2.0, INF):
+            whole = whole_grads(stages, grads[p])
+            norm = torch.nn.utils.clip_grad_norm_(whole, 0.5, norm_type)
+            expected[p, norm_type] = (norm, [w.grad for w in whole])
+    emb = [initial_state(seed=seed)["emb.weight"] for seed in (0, 1)]
+    assert not torch.equal(emb[0], emb[1])
+
+    def rank_main(rank: int) -> None:
+        p, s = divmod(rank, 2)
+        stage = copy.deepcopy(pipelines[p][s])
+        if s == 1:  # set-up must replace this copy by the first stage's
+            stage.emb.weight.data.add_(1.0)
+        group, process_group = pipeline_group(kind)
+        tie = PipelineTie(stage, group)
+        assert tie.group is process_group
+        assert repr(tie) == (
+            "PipelineTie(names=['emb'], copies_on_this_rank={emb: 1}, group_size=2)"
+        )
+        assert torch.equal(stage.emb.weight, emb[p])  # this pipeline's first copy, not rank 0's
+        assert [id(w) for w in tie.duplicates()] == ([] if s == 0 else [id(stage.emb.weight)])
+        for norm_type in (2.0, INF):
+            for name, param in stage.named_parameters():
+                param.grad = grads[p][s][name].clone()
+            tie.reduce_grads()
+            torch.testing.assert_close(
+                stage.emb.weight.grad, grads[p][0]["emb.weight"] + grads[p][1]["emb.weight"]
+            )
+            norm = pipeline_clip_grad_norm_(
+                stage.parameters(), 0.5, norm_type, group=group, tie=tie
+            )
+            expected_norm, expected_grads = expected[p, norm_type]
+            assert norm > 0.5
+            torch.testing.assert_close(norm, expected_norm)
+            # The whole model's parameters in order: the first stage's, then the last's others.
+            mine = list(stage.parameters())
+            theirs = expected_grads[: len(mine)] if s == 0 else expected_grads[-len(mine) + 1 :]
+            if s == 1:
+                mine = mine[1:]  # the copy of emb.weight, compared with the first stage's below
+                torch.testing.assert_close(stage.emb.weight.grad, expected_grads[0])
+            for param, grad in zip(mine, theirs, strict=True):
+                torch.testing.assert_close(param.grad, grad)
+
+    run_ranks(4, rank_main)
+
+
+# DTensor weights: rank dp * 2 + pp holds stage pp, the tied weight sharded over "dp". ---------
+
+
+def test_reduce_grads_on_dtensor_weights_fills_a_missing_gradient_as_the_weight(spy: None) -> None:
+    stages = stages_of(0, 2)
+    emb = initial_state()["emb.weight"]
+    torch.manual_seed(6)
+    head_grad = torch.randn(17, 8)
+
+    def rank_main(rank: int) -> None:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        pp = mesh["pp"].get_local_rank()
+        stage = copy.deepcopy(stages[pp])
+        weight = stage.emb.weight.detach() + (1.0 if pp == 1 else 0.0)
+        stage.emb.weight = nn.Parameter(distribute_tensor(weight, mesh["dp"], [Shard(0)]))
+        tie = PipelineTie(stage, mesh["pp"])
+        shard = stage.emb.weight
+        assert isinstance(shard, DTensor)
+        assert shard.to_local().shape == ((9, 8) if mesh["dp"].get_local_rank() == 0 else (8, 8))
+        torch.testing.assert_close(shard.full_tensor(), emb, rtol=0, atol=0)
+
+        # No copy has a gradient: every copy gets zeros, laid out as its weight.
+        with recorded() as collectives:
+            tie.reduce_grads()
+        assert collectives == ["all_reduce"]
+        grad = shard.grad
+        assert isinstance(grad, DTensor)
+        assert grad.device_mesh is shard.device_mesh
+        assert grad.placements == (Shard(0),)
+        assert (grad.shape, grad.stride()) == ((17, 8), (8, 1))
+        torch.testing.assert_close(grad.to_local(), torch.zeros_like(shard.to_local()))
+
+        # Only the head's copy has a gradient: the lookup's copy is given it.
+        local = distribute_tensor(head_grad, mesh["dp"], [Shard(0)], src_data_rank=None)
+        shard.grad = local if pp == 1 else None
+        with recorded() as collectives:
+            tie.reduce_grads()
+        assert collectives == ["all_reduce"]
+        grad = shard.grad
+        assert isinstance(grad, DTensor)
+        assert grad.placements == (Shard(0),)
+        torch.testing.assert_close(grad.full_tensor(), head_grad, rtol=0, atol=0)
+
+        # Clipping counts the tied weight once and returns a plain tensor, on every rank.
+        norm = pipeline_clip_grad_norm_([shard], 0.5, group=mesh["pp"], tie=tie)
+        assert type(norm) is torch.Tensor
+        torch.testing.assert_close(norm, torch.linalg.vector_norm(head_grad))
+        torch.testing.assert_close(grad.full_tensor(), head_grad * (0.5 / (norm + 1e-6)))
+
+    run_ranks(4, rank_main)
+
+
+# Clipping three uneven stages, the middle one possibly without any gradient. ------------------
+
+
+def three_stages() -> nn.Sequential:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4), nn.Linear(4, 2, bias=False))
+
+
+STAGE_OF = [0, 0, 1, 2]  # the layers of three_stages held by each rank
+
+
+def stage_grads(frozen_middle: bool) -> list[torch.Tensor | None]:
+    """The gradients of ``three_stages()`` after one backward, in ``parameters()`` order."""
+    model = three_stages()
+    gen = torch.Generator().manual_seed(8)
+    model(torch.randn(6, 3, generator=gen)).square().sum().backward()
+    grads: list[torch.Tensor | None] = [p.grad for p in model.parameters()]
+    if frozen_middle:
+        grads[2:4] = [None, None]  # the middle stage's Linear(5, 4)
+    return grads
+
+
+@pytest.mark.parametrize("frozen_middle", [False, True], ids=["all", "frozen-middle"])
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, INF])
+def test_clipping_three_stages_matches_one_process(norm_type: float, frozen_middle: bool) -> None:
+    grads = stage_grads(frozen_middle)
+    whole = three_stages()
+    for param, grad in zip(whole.parameters(), grads, strict=True):
+        param.grad = None if grad is None else grad.clone()
+    expected = torch.nn.utils.clip_grad_norm_(whole.parameters(), 0.05, norm_type)
+    assert expected > 0.05
+    expected_grads = [p.grad for p in whole.parameters()]
+    per_layer = [len(list(layer.parameters())) for layer in three_stages()]
+    starts = [sum(per_layer[:i]) for i in range(len(per_layer))]
+
+    def rank_main(rank: int) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        model = three_stages()
+        mine: list[nn.Parameter] = []
+        expected_mine: list[torch.Tensor | None] = []
+        for index, layer in enumerate(model):
+            if STAGE_OF[index] != rank:
+                continue
+            for offset, param in enumerate(layer.parameters()):
+                grad = grads[starts[index] + offset]
+                param.grad = None if grad is None else grad.clone()
+                mine.append(param)
+                expected_mine.append(expected_grads[starts[index] + offset])
+        norm = pipeline_clip_grad_norm_(mine, 0.05, norm_type)
+        for param, grad in zip(mine, expected_mine, strict=True):
+            torch.testing.assert_close(param.grad, grad)
+        return norm, expected_mine
+
+    results = run_ranks(3, rank_main)
+    for norm, _ in results:
+        assert norm.dtype == torch.float32
+        torch.testing.assert_close(norm, expected)
+    assert all(g is None for g in results[1][1]) == frozen_middle
+
+
+def test_a_one_rank_pipeline_in_a_larger_world_communicates_nothing(spy: None) -> None:
+    torch.manual_seed(9)
+    layers = [nn.Linear(4, 3), nn.Linear(3, 5)]  # one pipeline per rank, each of one stage
+    grads = [[torch.randn_like(p) for p in layer.parameters()] for layer in layers]
+    expected = []
+    for layer, layer_grads in zip(layers, grads, strict=True):
+        twin = copy.deepcopy(layer)
+        for param, grad in zip(twin.parameters(), layer_grads, strict=True):
+            param.grad = grad.clone()
+        expected.append(torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.5, 3.0))
+
+    def rank_main(rank: int) -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
+        layer = copy.deepcopy(layers[rank])
+        for param, grad in zip(layer.parameters(), grads[rank], strict=True):
+            param.grad = grad.clone()
+        with recorded() as collectives:
+            norm = pipeline_clip_grad_norm_(layer.parameters(), 0.5, 3.0, group=mesh["pp"])
+        assert collectives == []
+        return norm
+
+    norms = run_ranks(2, rank_main)
+    for norm, reference in zip(norms, expected, strict=True):
+        torch.testing.assert_close(norm, reference, rtol=0, atol=0)
