@@ -106,14 +106,16 @@ class PipelineTie:
         modules = [_unwrap(m) for m in modules]
         self.group = _process_group(group)
         problem, local_names = _local_ties(modules)
-        gathered: list[tuple[str | None, list[str]]] = [("", [])] * dist.get_world_size(self.group)
+        # all_gather_object fills every slot of these lists.
+        size = dist.get_world_size(self.group)
+        gathered: list[tuple[str | None, list[str]]] = [None] * size  # type: ignore[list-item]
         dist.all_gather_object(gathered, (problem, local_names), group=self.group)
         for rank, (rank_problem, _) in enumerate(gathered):
             if rank_problem is not None:
                 raise ValueError(f"PipelineTie refused group rank {rank}'s stages: {rank_problem}")
         self.names = tuple(sorted({n for _, names in gathered for n in names}))
-        problem, shapes = _copies_problem(modules, self.names) if self.names else (None, {})
-        checks: list[tuple[str | None, dict[str, tuple[int, ...]]]] = [("", {})] * len(gathered)
+        problem, shapes = _copies_problem(modules, self.names)
+        checks: list[tuple[str | None, dict[str, tuple[int, ...]]]] = [None] * size  # type: ignore[list-item]
         dist.all_gather_object(checks, (problem, shapes), group=self.group)
         if not self.names:
             raise ValueError(
@@ -253,7 +255,8 @@ def pipeline_clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     skipped = {id(p) for p in tie.duplicates()} if tie is not None else set()
     grads = [p.grad for p in params if id(p) not in skipped and p.grad is not None]
-    local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.tensor(0.0)
+    # Without gradients the norm is tensor(0.0), as for clip_grad_norm_.
+    local = torch.nn.utils.get_total_norm(grads, norm_type)
     if _is_dtensor(local):
         local = local.full_tensor()  # type: ignore[attr-defined]
     total = local.detach().to(torch.float32).clone()
