@@ -11,6 +11,7 @@ import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -222,6 +223,31 @@ def test_on_one_rank_sync_entries_creates_nothing_and_keeps_the_values() -> None
     assert sync_entries(model) == []
     for name, tensor in before.items():
         assert torch.equal(model.state_dict()[name], tensor)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_non_contiguous_parameter_is_sent_through_a_contiguous_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NCCL refuses to send a non-contiguous tensor; gloo takes one, so it is refused here as
+    NCCL does. The entry keeps its values and its strides."""
+    sent: list[tuple[int, ...]] = []
+    broadcast = dist.broadcast
+
+    def nccl_broadcast(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not tensor.is_contiguous():
+            raise ValueError("Tensors must be contiguous")
+        sent.append(tuple(tensor.shape))
+        return broadcast(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "broadcast", nccl_broadcast)
+    model = Model()
+    model.heads["a"].weight = nn.Parameter(torch.arange(4.0).reshape(2, 2).t())
+    assert sync_entries(model) == []
+    assert sent == [(2, 2), (2,)] * 2  # heads.a, then closed.kept
+    weight = model.heads["a"].weight
+    assert not weight.is_contiguous()
+    assert torch.equal(weight, torch.tensor([[0.0, 2.0], [1.0, 3.0]]))
 
 
 def test_a_factory_returning_a_non_module_is_a_type_error() -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from tests.nn.models import Counter, CountingFactory
 from toolkit.nn import ModuleDefaultDict
+from toolkit.nn._entry_placement import EntryPlacement
 
 
 class Head(nn.Module):
@@ -108,6 +109,14 @@ def test_a_conversion_that_does_not_recurse_leaves_new_entries_alone() -> None:
     assert model.heads["a"].proj.weight.device == torch.device("cpu")
 
 
+def test_a_conversion_that_does_not_recurse_leaves_the_entries_alone() -> None:
+    model = Model()
+    entry = model.heads["a"]
+    model.heads.to_empty(device="meta", recurse=False)
+    assert model.heads["a"] is entry
+    assert {t.device for t in entry.state_dict().values()} == {torch.device("cpu")}
+
+
 def test_integer_and_bool_buffers_keep_their_dtype() -> None:
     model = Model().to(torch.float64)
     entry = model.heads["a"]
@@ -147,6 +156,37 @@ def test_the_last_cast_wins_and_a_later_move_keeps_it() -> None:
         torch.bfloat16,
         torch.device("meta"),
     )
+
+
+def test_a_cast_after_a_move_to_meta_keeps_new_entries_on_meta() -> None:
+    """The cast is learnt on the device the dict was moved to, not the default device."""
+    model = Model()
+    model.to("meta")
+    model.double()
+    entry = model.heads["a"]
+    assert (entry.proj.weight.dtype, entry.proj.weight.device) == (
+        torch.float64,
+        torch.device("meta"),
+    )
+
+
+def test_a_conversion_that_treats_dtypes_apart_is_learnt_from_a_float32_tensor() -> None:
+    """A conversion that moves only float32 tensors sets the device; one that moves only
+    float16 tensors does not; a cast of float32 alone sets no dtype."""
+
+    def move_float32(t: torch.Tensor) -> torch.Tensor:
+        return t.to("meta") if t.dtype == torch.float32 else t
+
+    def move_float16(t: torch.Tensor) -> torch.Tensor:
+        return t.to("meta") if t.dtype == torch.float16 else t
+
+    def cast_float32(t: torch.Tensor) -> torch.Tensor:
+        return t.double() if t.dtype == torch.float32 else t
+
+    meta = torch.device("meta")
+    assert EntryPlacement().after(move_float32) == EntryPlacement(device=meta)
+    assert EntryPlacement().after(move_float16) == EntryPlacement()
+    assert EntryPlacement().after(cast_float32) == EntryPlacement()
 
 
 def test_a_conversion_that_fails_changes_where_entries_go_in_no_way() -> None:
