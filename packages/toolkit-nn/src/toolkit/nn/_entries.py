@@ -72,13 +72,15 @@ def create_entries(module: nn.Module, keys: Iterable[str], *, prefix: str = "") 
     stripped = [key[len(prefix) :] for key in keys if key.startswith(prefix)]
     created: list[str] = []
     _create_under(module, "", stripped, created)
-    # The walk visits dicts in module order; report the entries in the order of the keys.
+    # The walk visits dicts in module order; report the entries in the order of the keys. The
+    # walk creates an entry before the entries inside it, which share its first key, and the
+    # sort is stable, so they stay after it.
     first: dict[str, int] = {}
     for index, key in enumerate(stripped):
         parts = key.split(".")
         for end in range(1, len(parts)):
             first.setdefault(".".join(parts[:end]), index)
-    return sorted(created, key=lambda name: (first[name], name.count(".")))
+    return sorted(created, key=first.__getitem__)
 
 
 def _create_under(module: nn.Module, path: str, keys: list[str], created: list[str]) -> None:
@@ -117,7 +119,9 @@ def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> l
         group: The process group whose ranks take part; the default group if None.
 
     Returns:
-        The qualified names of the entries this rank created, in their new order.
+        The qualified names of the entries this rank created, in rank order: those it
+        took from rank 0 in rank 0's order, then those from rank 1, and so on (across dicts,
+        not dict by dict).
 
     Raises:
         ValueError: On every rank, if ``module`` is wrapped by DDP or FSDP or holds DTensor
@@ -259,7 +263,7 @@ def _owned_tensors(
 
 def _broadcast(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup | None) -> None:
     data = tensor.detach()
-    buffer = data if data.is_contiguous() else data.contiguous()
+    buffer = data.contiguous()  # data itself when it is contiguous already
     dist.broadcast(buffer, group_src=owner, group=group)
     if buffer is not data:
         data.copy_(buffer)
