@@ -52,3 +52,10 @@ def test_importing_the_package_does_not_import_tensor_parallelism() -> None:
 def test_an_unknown_attribute_raises_attribute_error() -> None:
     with pytest.raises(AttributeError, match=r"^module 'toolkit.nn' has no attribute 'Nope'$"):
         toolkit.nn.Nope  # noqa: B018
+
+
+def test_the_package_attribute_is_looked_up_on_each_use_and_gives_the_style() -> None:
+    # The name is not cached in the package's namespace: every access asks __getattr__.
+    assert "TiedLinearParallel" not in vars(toolkit.nn)
+    assert toolkit.nn.TiedLinearParallel is TiedLinearParallel
+    assert getattr(toolkit.nn, "TiedLinearParallel") is TiedLinearParallel  # noqa: B009

@@ -262,3 +262,16 @@ def test_a_wrong_width_with_both_input_and_weight_dtensors_is_a_shape_error(
         "input's last dimension must equal in_features=3; reshape the input or tie to the "
         "right module"
     )
+
+
+def test_a_weight_replaced_by_a_non_tensor_names_the_new_type() -> None:
+    emb = nn.Embedding(7, 3)
+    head = TiedLinear(emb)
+    del emb.weight
+    emb.weight = 2.5  # a plain attribute now, read through the module
+    with pytest.raises(TypeError) as info:
+        head(torch.randn(2, 3))
+    assert str(info.value) == (
+        "TiedLinear needs Embedding.weight to be a 2-D tensor when called, got float; a weight "
+        "assigned to the tied module after TiedLinear was built must be a 2-D tensor too"
+    )
