@@ -88,7 +88,7 @@ def _unprepared_input_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeErro
 def _sharded_weight_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
     """The error for a weight that FSDP2 has sharded again before TiedLinear reads it."""
     tied = _describe(tl.tied_module)
-    placements = getattr(weight, "placements", ())
+    placements = weight.placements  # type: ignore[attr-defined] # a DTensor here
     return RuntimeError(
         f"TiedLinear cannot use the weight of the tied module {tied}: that weight is sharded "
         f"(a DTensor with placements {tuple(placements)}) when TiedLinear reads it, and the "
@@ -105,7 +105,7 @@ def _sharded_weight_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
 def _dtensor_cross_entropy_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
     """The error for ``cross_entropy`` on a weight that is a DTensor."""
     tied = _describe(tl.tied_module)
-    placements = getattr(weight, "placements", ())
+    placements = weight.placements  # type: ignore[attr-defined] # a DTensor here
     return RuntimeError(
         f"TiedLinear.cross_entropy cannot use the weight of the tied module {tied}: it is a "
         f"DTensor with placements {tuple(placements)}, and the chunked loss needs the whole "
