@@ -146,12 +146,15 @@ def clean_env() -> dict[str, str]:
     """The environment without a path to the repository's own sources or an active mutant.
 
     Each worker gets one intra-op thread: the workers already fill the cores, and torch's
-    spinning threads would otherwise eat the CPU time by which mutmut detects a hang.
+    spinning threads would otherwise eat the CPU time by which mutmut detects a hang. The
+    property tests run Hypothesis's ``mutation`` profile (the root ``pyproject.toml``): the
+    same examples on every run, so that a run's verdicts do not depend on its draws.
     """
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     env.pop("MUTANT_UNDER_TEST", None)
     env["OMP_NUM_THREADS"] = "1"
+    env["HYPOTHESIS_PROFILE"] = "mutation"
     return env
 
 

@@ -3,7 +3,7 @@
 ``linear_cross_entropy`` is called directly: its own defaults, its buffers' device under a
 different default device, float64 at float64's precision, ``reduction="sum"`` gradients, no
 tokens at all, a float16 loss scale beyond float16's range, the dtypes its backward returns,
-the default chunk rule at its bounds, and the shape error of a 3-D input. Every expected value
+the default chunk rule at its bounds, a 3-D input and its shape error. Every expected value
 is written here with ``F.linear`` and ``F.cross_entropy`` or by hand, never with the code under
 test.
 """
@@ -175,3 +175,20 @@ def test_the_shape_error_of_a_3d_input_names_its_leading_shape() -> None:
     )
     with pytest.raises(ValueError, match="^" + re.escape(expected) + "$"):
         linear_cross_entropy(x, weight, target)
+
+
+def test_a_3d_input_is_flattened_over_its_leading_dimensions() -> None:
+    """Batch 2, sequence 3, width 5: one row per token, the width last, with and without
+    gradients."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 5, generator=generator)
+    weight = torch.randn(7, 5, generator=generator)
+    target = torch.randint(0, 7, (2, 3), generator=generator)
+    ours = _grads(lambda x, w: linear_cross_entropy(x, w, target), x, weight)
+    plain = _grads(
+        lambda x, w: F.cross_entropy(F.linear(x, w).flatten(0, 1), target.flatten()), x, weight
+    )
+    for actual, expected in zip(ours, plain, strict=True):
+        torch.testing.assert_close(actual, expected)
+    with torch.no_grad():  # the loss alone, without the autograd Function
+        torch.testing.assert_close(linear_cross_entropy(x, weight, target), plain[0])

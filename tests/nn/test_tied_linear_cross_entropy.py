@@ -412,3 +412,16 @@ def test_a_target_far_below_the_largest_logit_gives_the_exact_loss() -> None:
         loss, F.cross_entropy(F.linear(x, head.weight), target, reduction="sum")
     )
     assert loss.item() == pytest.approx(300.0 + 305.0)
+
+
+def test_a_build_without_torch_distributed_computes_the_loss(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch built without distributed has no DTensor: no weight is taken for one."""
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
+    generator = torch.Generator().manual_seed(5)
+    head = TiedLinear(nn.Embedding(11, 4))
+    x = torch.randn(6, 4, generator=generator)
+    target = torch.randint(0, 11, (6,), generator=generator)
+    expected = F.cross_entropy(F.linear(x, head.tied_module.weight), target)
+    torch.testing.assert_close(head.cross_entropy(x, target), expected)

@@ -133,3 +133,20 @@ def test_global_and_local_hooks_fire_together_once_each() -> None:
 
     assert order == ["local pre", "local post"]
     assert [kind for kind, _, _ in seen] == ["pre", "post"]
+
+
+def test_a_tied_module_replaced_by_an_object_that_is_no_module_is_read_through_the_attribute() -> (
+    None
+):
+    # Only the constructor insists on an nn.Module; like torchtune's, the attribute can be set
+    # to anything with a weight afterwards, and the call reads it as it reads any attribute.
+    head = TiedLinear(nn.Linear(3, 5, bias=False))
+    weight = torch.randn(5, 3)
+
+    class Holder:  # no __getattr__ of its own, unlike every Module
+        def __init__(self) -> None:
+            self.weight = weight
+
+    head.tied_module = Holder()  # type: ignore[assignment]
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(head(x), F.linear(x, weight), rtol=0, atol=0)

@@ -104,7 +104,6 @@ class TiedLinear:
         _check_weight(tied_module, weight)
         self.tied_module = tied_module
         self.linear = _Linear()
-        self._plain_type = self._attribute_type = None
         _examine_type(self, type(tied_module))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
