@@ -3,9 +3,9 @@
 ``linear_cross_entropy`` is called directly: its own defaults, its buffers' device under a
 different default device, float64 at float64's precision, ``reduction="sum"`` gradients, no
 tokens at all, a float16 loss scale beyond float16's range, the dtypes its backward returns,
-the default chunk rule at its bounds, a 3-D input and its shape error. Every expected value
-is written here with ``F.linear`` and ``F.cross_entropy`` or by hand, never with the code under
-test.
+the default chunk rule at its bounds, a single class with ignored tokens, a 3-D input and its
+shape error. Every expected value is written here with ``F.linear`` and ``F.cross_entropy`` or
+by hand, never with the code under test.
 """
 
 from __future__ import annotations
@@ -192,3 +192,15 @@ def test_a_3d_input_is_flattened_over_its_leading_dimensions() -> None:
         torch.testing.assert_close(actual, expected)
     with torch.no_grad():  # the loss alone, without the autograd Function
         torch.testing.assert_close(linear_cross_entropy(x, weight, target), plain[0])
+
+
+def test_a_single_class_with_ignored_tokens_gives_what_f_cross_entropy_gives() -> None:
+    """With one class, index 0 is the only valid one: ignored rows must look there too."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 2, generator=generator)
+    weight = torch.randn(1, 2, generator=generator)
+    target = torch.tensor([0, -100, 0])
+    ours = _grads(lambda x, w: linear_cross_entropy(x, w, target), x, weight)
+    plain = _grads(lambda x, w: F.cross_entropy(F.linear(x, w), target), x, weight)
+    for actual, expected in zip(ours, plain, strict=True):
+        torch.testing.assert_close(actual, expected)
