@@ -23,30 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate
 
+from tests.nn.distributed.entries_checks import Heads as Model
+from tests.nn.distributed.entries_checks import Inner, _state
 from tests.nn.threads import run_ranks
 from toolkit.nn import ModuleDefaultDict, sync_entries
-
-
-class Inner(nn.Module):
-    """An entry with an integer buffer and a dict of its own."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(2, 2)
-        self.register_buffer("count", torch.tensor([0]))
-        self.inner = ModuleDefaultDict(functools.partial(nn.Linear, 2, 2))
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Linear(2, 2)
-        self.heads = ModuleDefaultDict(functools.partial(nn.Linear, 2, 2))
-        self.outer = ModuleDefaultDict(Inner)
-
-
-def _state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _entry_names(model: Model) -> dict[str, list[str]]:

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
+from tests.nn.test_tied_linear_messages import sharded_weight_message
 from tests.nn.threads import run_ranks
 from toolkit.nn import TiedLinear
 
@@ -46,20 +47,6 @@ class _TiedLM(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.head(self.trunk(idx))  # type: ignore[no-any-return]
-
-
-def _sharded_weight_message(placements: str) -> str:
-    return (
-        "TiedLinear cannot use the weight of the tied module Embedding(17, 8): that weight is "
-        f"sharded (a DTensor with placements {placements}) when TiedLinear reads it, and the "
-        "input is a plain tensor. This happens when the FSDP2 unit (fully_shard) holding the "
-        "tied module reshards its parameters after a forward that ends before TiedLinear "
-        "runs: the tied module is its own unit, or is grouped only with modules that do not "
-        "call TiedLinear. Keep the tied module in the unit whose forward calls TiedLinear, "
-        "group it with the module that calls TiedLinear in one unit "
-        "(fully_shard([tied_module, caller])), or keep its weight unsharded after forward "
-        "with fully_shard(tied_module, reshard_after_forward=False)."
-    )
 
 
 _UNPREPARED_INPUT = (
@@ -104,11 +91,13 @@ def _errors(setup: str) -> list[str]:
 @pytest.mark.parametrize(
     ("setup", "message"),
     [
-        ("fsdp", _sharded_weight_message("(Shard(dim=0),)")),
+        ("fsdp", sharded_weight_message("Embedding(17, 8)", "(Shard(dim=0),)")),
         ("tp_fsdp", _UNPREPARED_INPUT),
         (
             "tp_fsdp_trunk_unit",
-            _sharded_weight_message("(_StridedShard(dim=0, sf=2), Shard(dim=0))"),
+            sharded_weight_message(
+                "Embedding(17, 8)", "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+            ),
         ),
     ],
     ids=["fsdp_enclosing_unit", "tp_under_fsdp_unsharded", "tp_under_fsdp_resharded"],

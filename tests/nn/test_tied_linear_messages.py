@@ -27,6 +27,21 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from toolkit.nn import TiedLinear
 
 
+def sharded_weight_message(tied: str, placements: str) -> str:
+    """The whole error for a weight that FSDP2 resharded before TiedLinear read it."""
+    return (
+        f"TiedLinear cannot use the weight of the tied module {tied}: that weight is "
+        f"sharded (a DTensor with placements {placements}) when TiedLinear reads it, and the "
+        "input is a plain tensor. This happens when the FSDP2 unit (fully_shard) holding the "
+        "tied module reshards its parameters after a forward that ends before TiedLinear "
+        "runs: the tied module is its own unit, or is grouped only with modules that do not "
+        "call TiedLinear. Keep the tied module in the unit whose forward calls TiedLinear, "
+        "group it with the module that calls TiedLinear in one unit "
+        "(fully_shard([tied_module, caller])), or keep its weight unsharded after forward "
+        "with fully_shard(tied_module, reshard_after_forward=False)."
+    )
+
+
 def test_a_missing_weight_names_the_type_and_the_fix_and_hides_the_lookup() -> None:
     with pytest.raises(AttributeError) as info:
         TiedLinear(nn.ReLU())
@@ -215,17 +230,7 @@ def test_a_sharded_weight_with_a_plain_input_names_the_placement_and_every_fix(
     head = TiedLinear(emb)
     with pytest.raises(RuntimeError) as info:
         head(torch.randn(2, 3))
-    assert str(info.value) == (
-        "TiedLinear cannot use the weight of the tied module FSDPEmbedding(7, 3): that weight is "
-        "sharded (a DTensor with placements (Shard(dim=0),)) when TiedLinear reads it, and the "
-        "input is a plain tensor. This happens when the FSDP2 unit (fully_shard) holding the "
-        "tied module reshards its parameters after a forward that ends before TiedLinear "
-        "runs: the tied module is its own unit, or is grouped only with modules that do not "
-        "call TiedLinear. Keep the tied module in the unit whose forward calls TiedLinear, "
-        "group it with the module that calls TiedLinear in one unit "
-        "(fully_shard([tied_module, caller])), or keep its weight unsharded after forward "
-        "with fully_shard(tied_module, reshard_after_forward=False)."
-    )
+    assert str(info.value) == sharded_weight_message("FSDPEmbedding(7, 3)", "(Shard(dim=0),)")
     assert "mixed torch.Tensor and DTensor" in str(info.value.__cause__)
 
 
