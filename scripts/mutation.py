@@ -277,8 +277,8 @@ def load_equivalents() -> list[Equivalent]:
 def record_full_run(sources: dict[str, Path], outcome: Outcome) -> None:
     """Write ``tests/mutation/full_run.toml``: the sources a full run covered, and its score."""
     lines = [
-        "# Written by `nox -s mutation -- --record` after a full run that passed. The CI run",
-        "# (`--changed`) mutates only the source files whose SHA-256 differs from these.",
+        "# Written by `nox -s mutation -- --record` after a full run that passed.",
+        "# `--changed` mutates only the source files whose SHA-256 differs from these.",
         f"mutants = {outcome.total}",
         f"killed = {len(outcome.fast_killed) + len(outcome.slow_killed)}",
         f"equivalent = {len(outcome.equivalent)}",
