@@ -97,28 +97,37 @@ def _record_input_placements(head: TiedLinear) -> list[tuple[Placement, ...]]:
     return seen
 
 
+def _step(case: _Case, style: TiedLinearParallel, x: torch.Tensor) -> dict[str, Any]:
+    """One forward and backward of this rank's head on its part ``x`` of the input.
+
+    Returns the logits' placements, local part and full value, the collectives of the
+    forward, the input placements the head's product received, and both full gradients.
+    """
+    head, _ = case.parallel_head(style)
+    seen = _record_input_placements(head)
+    x = x.clone().requires_grad_()
+    with _Collectives() as forward:
+        logits = head(x)
+    (logits.full_tensor() * case.grad_out).sum().backward()
+    assert isinstance(logits, DTensor)
+    assert isinstance(head.weight.grad, DTensor)
+    return {
+        "placements": logits.placements,
+        "local": logits.to_local().detach(),
+        "full": logits.full_tensor().detach(),
+        "forward": forward.ops,
+        "seen": seen,
+        "weight_grad": head.weight.grad.full_tensor(),
+        "x_grad": x.grad,
+    }
+
+
 def test_the_defaults_give_each_rank_its_vocabulary_rows_of_the_logits_at_no_cost() -> None:
     case = _Case()
     expected = case.reference()
 
     def rank_main(rank: int) -> dict[str, Any]:
-        head, _ = case.parallel_head(TiedLinearParallel())
-        seen = _record_input_placements(head)
-        x = case.x.clone().requires_grad_()
-        with _Collectives() as forward:
-            logits = head(x)
-        (logits.full_tensor() * case.grad_out).sum().backward()
-        assert isinstance(logits, DTensor)
-        assert isinstance(head.weight.grad, DTensor)
-        return {
-            "placements": logits.placements,
-            "local": logits.to_local().detach(),
-            "full": logits.full_tensor().detach(),
-            "forward": forward.ops,
-            "seen": seen,
-            "weight_grad": head.weight.grad.full_tensor(),
-            "x_grad": x.grad,
-        }
+        return _step(case, TiedLinearParallel(), case.x)
 
     for rank, result in enumerate(run_ranks(WORLD, rank_main)):
         # torch keeps Shard(-1) as the last dimension of the 3-D logits.
@@ -153,21 +162,8 @@ def test_a_sequence_sharded_input_is_gathered_once_and_multiplied_replicated() -
     expected = case.reference()
 
     def rank_main(rank: int) -> dict[str, Any]:
-        head, _ = case.parallel_head(TiedLinearParallel(input_layouts=Shard(1)))
-        seen = _record_input_placements(head)
-        x = case.x[:, SEQ_POSITIONS[rank]].clone().requires_grad_()
-        with _Collectives() as forward:
-            logits = head(x)
-        (logits.full_tensor() * case.grad_out).sum().backward()
-        assert isinstance(head.weight.grad, DTensor)
-        return {
-            "placements": logits.placements,
-            "full": logits.full_tensor().detach(),
-            "forward": forward.ops,
-            "seen": seen,
-            "weight_grad": head.weight.grad.full_tensor(),
-            "x_grad": x.grad,
-        }
+        style = TiedLinearParallel(input_layouts=Shard(1))
+        return _step(case, style, case.x[:, SEQ_POSITIONS[rank]])
 
     for rank, result in enumerate(run_ranks(WORLD, rank_main)):
         assert result["placements"] == (Shard(2),)
