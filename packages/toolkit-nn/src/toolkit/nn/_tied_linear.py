@@ -194,6 +194,14 @@ class TiedLinear:
 
         Returns:
             ``self``.
+
+        Examples:
+            >>> from torch import nn
+            >>> from toolkit.nn import TiedLinear
+            >>> embedding = nn.Embedding(100, 16)
+            >>> head = TiedLinear(embedding).requires_grad_(False)
+            >>> embedding.weight.requires_grad
+            False
         """
         self.weight.requires_grad_(requires_grad)
         return self
