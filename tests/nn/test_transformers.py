@@ -23,6 +23,7 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     LlamaModel,
+    LlamaPreTrainedModel,
     PreTrainedModel,
 )
 
@@ -230,6 +231,40 @@ def test_cross_entropy_gives_the_model_loss_without_the_logits(build: Callable) 
     torch.testing.assert_close(model.get_input_embeddings().weight.grad, stock_grad)
 
 
+class Wrapped(LlamaPreTrainedModel):
+    """A model whose head sits in a sub-model, after another child: ``lm.lm_head``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.scale = nn.Identity()
+        self.lm = LlamaForCausalLM(config)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.lm.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm.get_output_embeddings()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(self.scale(ids)).logits
+
+
+def test_a_head_inside_a_sub_model_is_tied_where_it_is() -> None:
+    torch.manual_seed(0)
+    stock = Wrapped(llama().config)
+    assert stock.all_tied_weights_keys == {"lm.lm_head.weight": "lm.model.embed_tokens.weight"}
+    model = copy.deepcopy(stock)
+    head = tie_output_embeddings(model)
+    assert model.lm.lm_head is head
+    assert model.all_tied_weights_keys == model.lm.all_tied_weights_keys == {}
+    model.post_init()
+    model.tie_weights()
+    assert_tied(model, head)
+    ids = tokens()
+    torch.testing.assert_close(model(ids), stock(ids), rtol=0, atol=0)
+
+
 def test_a_second_call_returns_the_same_head() -> None:
     _, model, head = stock_and_tied(llama)
     assert tie_output_embeddings(model) is head
@@ -243,6 +278,15 @@ def test_untied_config_is_refused_and_the_model_left_alone(build: Callable) -> N
         tie_output_embeddings(model)
     assert type(model).__name__ in str(info.value)
     assert model.lm_head is head
+
+
+def test_a_config_without_tie_word_embeddings_counts_as_untied() -> None:
+    # As transformers reads it: only a config that says so ties the word embeddings.
+    model = llama()
+    del model.config.tie_word_embeddings
+    with pytest.raises(ValueError, match="tie_word_embeddings=True"):
+        tie_output_embeddings(model)
+    assert isinstance(model.lm_head, nn.Linear)
 
 
 def test_a_model_without_output_embeddings_is_refused() -> None:
@@ -264,8 +308,9 @@ def test_a_head_with_weights_of_its_own_is_refused() -> None:
     model = llama()
     model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
     linear = model.lm_head
-    with pytest.raises(ValueError, match="do not share the input embeddings' weight"):
+    with pytest.raises(ValueError, match="do not share the input embeddings' weight") as info:
         tie_output_embeddings(model)
+    assert "tying would change them: save and load it tied first" in str(info.value)
     assert model.lm_head is linear
     assert model._tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
 
