@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -274,16 +275,17 @@ def test_a_second_call_returns_the_same_head() -> None:
 def test_untied_config_is_refused_and_the_model_left_alone(build: Callable) -> None:
     model = build(tie_word_embeddings=False)
     head = model.lm_head
-    with pytest.raises(ValueError, match="tie_word_embeddings=True") as info:
+    with pytest.raises(ValueError, match="tie_word_embeddings=False: its head has") as info:
         tie_output_embeddings(model)
     assert type(model).__name__ in str(info.value)
+    assert str(info.value).endswith("build the model with tie_word_embeddings=True to tie it")
     assert model.lm_head is head
 
 
 def test_a_config_without_tie_word_embeddings_counts_as_untied() -> None:
     # As transformers reads it: only a config that says so ties the word embeddings.
     model = llama()
-    del model.config.tie_word_embeddings
+    model.config = types.SimpleNamespace()
     with pytest.raises(ValueError, match="tie_word_embeddings=True"):
         tie_output_embeddings(model)
     assert isinstance(model.lm_head, nn.Linear)
@@ -293,7 +295,7 @@ def test_a_model_without_output_embeddings_is_refused() -> None:
     model = LlamaModel(llama().config)
     with pytest.raises(ValueError, match="no output embeddings") as info:
         tie_output_embeddings(model)
-    assert "ForCausalLM" in str(info.value)
+    assert str(info.value).endswith("tie a model with an LM head, such as a ...ForCausalLM class")
 
 
 def test_a_module_that_is_not_a_transformers_model_is_refused() -> None:
@@ -308,11 +310,42 @@ def test_a_head_with_weights_of_its_own_is_refused() -> None:
     model = llama()
     model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
     linear = model.lm_head
-    with pytest.raises(ValueError, match="do not share the input embeddings' weight") as info:
+    with pytest.raises(ValueError, match="so the model's logits do not come from it") as info:
         tie_output_embeddings(model)
-    assert "tying would change them: save and load it tied first" in str(info.value)
+    assert str(info.value).endswith("tying would change them: save and load it tied first")
     assert model.lm_head is linear
     assert model._tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def test_a_head_without_a_weight_is_refused() -> None:
+    model = llama()
+    del model.lm_head
+    model.lm_head = nn.Identity()
+    with pytest.raises(ValueError, match="do not share the input embeddings' weight"):
+        tie_output_embeddings(model)
+    assert isinstance(model.lm_head, nn.Identity)
+
+
+class BiasFreeHead(nn.Module):
+    """A head module of its own, without a ``bias`` attribute, on the embedding's weight."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+
+def test_a_head_module_without_a_bias_attribute_is_tied() -> None:
+    stock, _, _ = stock_and_tied(llama)
+    model = copy.deepcopy(stock)
+    del model.lm_head
+    model.lm_head = BiasFreeHead(model.model.embed_tokens.weight)
+    head = tie_output_embeddings(model)
+    assert_tied(model, head)
+    ids = tokens()
+    torch.testing.assert_close(model(ids).logits, stock(ids).logits)
 
 
 def test_a_head_with_a_bias_is_refused() -> None:

@@ -105,9 +105,10 @@ def _untied_mappings(model: nn.Module, key: str) -> list[tuple[nn.Module, str, d
     """
     found = []
     for prefix, module in model.named_modules():
-        if prefix and not key.startswith(f"{prefix}."):
+        start = f"{prefix}." if prefix else ""
+        if not key.startswith(start):
             continue  # not an ancestor of the head: its mapping cannot name it
-        own = key.removeprefix(f"{prefix}.") if prefix else key
+        own = key[len(start) :]
         for name in ("_tied_weights_keys", "all_tied_weights_keys"):
             mapping = getattr(module, name, None)
             if isinstance(mapping, dict):
