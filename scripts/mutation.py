@@ -296,6 +296,19 @@ def defines_functions(path: Path) -> bool:
     return any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) for n in ast.walk(tree))
 
 
+def mutant_patterns(module: str) -> list[str]:
+    """The patterns of mutmut's names for the mutants of ``module``, for ``mutmut run``.
+
+    mutmut names a mutant after its module, then ``x_function`` or ``xǁClassǁmethod``; a
+    package's ``__init__`` module goes by the package's name, so its patterns must not match
+    the mutants of the package's other modules.
+    """
+    package = module.removesuffix(".__init__")
+    if package == module:
+        return [f"{module}.*"]
+    return [f"{package}.x_*", f"{package}.x\u01c1*"]
+
+
 def changed_sources(sources: dict[str, Path]) -> list[str]:
     """The workspace paths of the sources that differ from the last recorded full run.
 
@@ -426,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     modules = [rel.removeprefix("src/").removesuffix(".py").replace("/", ".") for rel in selected]
     if not options.reuse:
         lay_out_workspace(sources)
-        patterns = [f"{module}.*" for module in modules] if options.changed else []
+        patterns = [p for m in modules for p in mutant_patterns(m)] if options.changed else []
         mutmut_run(patterns, options.max_children)
     elif not (WORKSPACE / "mutants").is_dir():
         parser.error("--reuse needs the results of an earlier run in .mutation/")

@@ -19,7 +19,13 @@ PAGES = sorted(
     for path in ROOT.glob(pattern)
 )
 RUNNABLE = [path for path in PAGES if python_blocks(path.read_text(encoding="utf-8"))]
-GUIDES = ["quickstart.md", "per-task-heads.md", "tied-lm-heads.md", "migrating-from-torchtune.md"]
+GUIDES = [
+    "quickstart.md",
+    "per-task-heads.md",
+    "tied-lm-heads.md",
+    "migrating-from-torchtune.md",
+    "transformers.md",
+]
 
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda path: str(path.relative_to(ROOT)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import sys
 import tomllib
@@ -143,3 +144,16 @@ def test_changed_with_every_source_recorded_has_nothing_to_mutate(
     assert capsys.readouterr().out == (
         "no source file differs from the last recorded full run: nothing to mutate\n"
     )
+
+
+def test_the_patterns_of_a_package_init_match_its_mutants_only(mutation: ModuleType) -> None:
+    patterns = mutation.mutant_patterns("toolkit.nn.__init__")
+    names = {
+        "toolkit.nn.x___getattr____mutmut_1": True,
+        "toolkit.nn.x\u01c1Cls\u01c1method__mutmut_2": True,
+        "toolkit.nn._tied_linear.x_f__mutmut_1": False,
+        "toolkit.nn._tied_linear.x\u01c1TiedLinear\u01c1weight__mutmut_1": False,
+    }
+    for name, wanted in names.items():
+        assert any(fnmatch.fnmatchcase(name, p) for p in patterns) is wanted, name
+    assert mutation.mutant_patterns("toolkit.nn._tied_linear") == ["toolkit.nn._tied_linear.*"]

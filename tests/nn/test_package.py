@@ -32,4 +32,5 @@ def test_public_api() -> None:
         "create_entries",
         "pipeline_clip_grad_norm_",
         "sync_entries",
+        "tie_output_embeddings",
     ]

@@ -189,6 +189,35 @@ def test_weight_and_features_are_live_and_read_only() -> None:
     assert head.weight is emb.weight
 
 
+def test_out_features_may_be_set_only_to_the_live_value() -> None:
+    # transformers sets it after resizing the tied embedding, which the live read follows.
+    emb = nn.Embedding(7, 3)
+    head = TiedLinear(emb)
+    emb.weight = nn.Parameter(torch.zeros(9, 3))
+    head.out_features = 9
+    assert head.out_features == 9
+    with pytest.raises(AttributeError, match=r"first dimension, 9.*set to 8.*resize tied_module"):
+        head.out_features = 8
+    assert head.out_features == 9
+    assert emb.weight.shape == (9, 3)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_requires_grad_sets_the_tied_weight_as_a_module_would(requires_grad: bool) -> None:
+    emb = nn.Embedding(7, 3)
+    emb.weight.requires_grad_(not requires_grad)
+    linear = nn.Linear(3, 7, bias=False)
+    linear.weight.requires_grad_(not requires_grad)
+    head = TiedLinear(emb)
+    assert head.requires_grad_(requires_grad) is head
+    assert linear.requires_grad_(requires_grad) is linear
+    assert emb.weight.requires_grad is linear.weight.requires_grad is requires_grad
+    # With no argument it unfreezes, as Module.requires_grad_ does.
+    emb.weight.requires_grad_(False)
+    head.requires_grad_()
+    assert emb.weight.requires_grad
+
+
 def test_repr_says_what_it_is_tied_to() -> None:
     head = TiedLinear(nn.Embedding(7, 3))
     assert repr(head) == "TiedLinear(in_features=3, out_features=7, tied_to=Embedding(7, 3).weight)"

@@ -12,7 +12,13 @@ from typing import assert_type
 import torch
 from torch import nn
 
-from toolkit.nn import ModuleDefaultDict, TiedLinear, create_entries, sync_entries
+from toolkit.nn import (
+    ModuleDefaultDict,
+    TiedLinear,
+    create_entries,
+    sync_entries,
+    tie_output_embeddings,
+)
 
 heads = ModuleDefaultDict(functools.partial(nn.Linear, 4, 2))
 assert_type(heads, ModuleDefaultDict[nn.Linear])
@@ -38,6 +44,9 @@ assert_type(head(torch.zeros(4)), torch.Tensor)
 assert_type(head.weight, torch.Tensor)
 assert_type(head.in_features, int)
 assert_type(head.out_features, int)
+assert_type(head.requires_grad_(False), TiedLinear)
+# Any transformers PreTrainedModel, which is an nn.Module; transformers is not imported here.
+assert_type(tie_output_embeddings(nn.Module()), TiedLinear)
 assert_type(head.tied_module, nn.Module)
 assert_type(head.linear, nn.Module)
 

@@ -335,6 +335,7 @@ CHECK_MODULES: tuple[str, ...] = (
     "tests.nn.distributed.pipeline_checks",
     "tests.nn.distributed.mutation_checks",
     "tests.nn.distributed.cross_entropy_checks",
+    "tests.nn.distributed.hf_checks",
 )
 
 

@@ -7,6 +7,7 @@ from toolkit.nn._entries import create_entries, sync_entries
 from toolkit.nn._module_default_dict import ModuleDefaultDict
 from toolkit.nn._pipeline_tie import PipelineTie, pipeline_clip_grad_norm_
 from toolkit.nn._tied_linear import TiedLinear
+from toolkit.nn._transformers import tie_output_embeddings
 
 if TYPE_CHECKING:
     from toolkit.nn._tensor_parallel import TiedLinearParallel
@@ -25,6 +26,7 @@ __all__ = [
     "create_entries",
     "pipeline_clip_grad_norm_",
     "sync_entries",
+    "tie_output_embeddings",
 ]
 
 

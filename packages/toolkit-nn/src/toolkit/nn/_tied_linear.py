@@ -173,6 +173,39 @@ class TiedLinear:
         """
         return int(self.weight.shape[0])
 
+    @out_features.setter
+    def out_features(self, value: int) -> None:
+        # transformers sets out_features after resizing the tied embedding; the live value
+        # already follows it. Any other value would disagree with the weight.
+        if value != self.out_features:
+            raise AttributeError(
+                f"TiedLinear's out_features is the tied weight's first dimension, "
+                f"{self.out_features}, and cannot be set to {value}; resize tied_module instead"
+            )
+
+    def requires_grad_(self, requires_grad: bool = True) -> TiedLinear:
+        """Set ``requires_grad`` of the tied weight, as ``nn.Module.requires_grad_`` would.
+
+        The weight is ``tied_module``'s, so this freezes or unfreezes it there too: a head
+        and an embedding that share one weight are trained or frozen together.
+
+        Args:
+            requires_grad: Whether autograd records operations on the weight.
+
+        Returns:
+            ``self``.
+
+        Examples:
+            >>> from torch import nn
+            >>> from toolkit.nn import TiedLinear
+            >>> embedding = nn.Embedding(100, 16)
+            >>> head = TiedLinear(embedding).requires_grad_(False)
+            >>> embedding.weight.requires_grad
+            False
+        """
+        self.weight.requires_grad_(requires_grad)
+        return self
+
     def __repr__(self) -> str:
         tied = _describe(self.tied_module)
         weight = self.weight
