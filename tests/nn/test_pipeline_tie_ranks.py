@@ -543,6 +543,11 @@ def test_fsdp2_accumulating_onto_the_written_sum_is_refused_on_every_rank() -> N
         fsdp2_accumulate(weight, local * (pp + 1))
         tie.reduce_grads()
         torch.testing.assert_close(weight.grad.full_tensor(), head_grad * 3)
+        # Only the first stage's copy, which carries the sum, accumulates onto it: once.
+        if pp == 0:
+            fsdp2_accumulate(weight, local)
+        tie.reduce_grads()
+        torch.testing.assert_close(weight.grad.full_tensor(), head_grad * 4)
         return str(info.value)
 
     messages = run_ranks(4, rank_main)
