@@ -192,6 +192,19 @@ def test_reduce_grads_sums_the_copies_and_fills_a_missing_gradient() -> None:
     assert first.emb.weight.grad is not last.emb.weight.grad
 
 
+def test_a_copy_frozen_alone_is_given_the_sum_and_the_copies_stay_equal() -> None:
+    first, last = two_stages()
+    tie = PipelineTie([first, last])
+    first.emb.weight.requires_grad_(False)  # the lookup's copy only
+    last.emb.weight.grad = torch.full_like(last.emb.weight, 2.0)
+    for _ in range(2):
+        tie.reduce_grads()
+        assert torch.equal(first.emb.weight.grad, torch.full_like(first.emb.weight, 2.0))
+        assert torch.equal(last.emb.weight.grad, torch.full_like(last.emb.weight, 2.0))
+    torch.optim.SGD([*first.parameters(), *last.parameters()], lr=0.1).step()
+    tie.check()
+
+
 def looped_training(*, sum_grads: bool) -> dict[str, Any]:
     """Both stages on this rank under ScheduleLoopedBFS, trained with clipping."""
     stages = two_stages()

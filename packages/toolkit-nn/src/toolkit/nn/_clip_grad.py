@@ -25,9 +25,9 @@ def clip_grad_norm_(
     for parameters that need not share one device mesh: plain tensors, DTensors of FSDP2 on
     a ``dp`` mesh and DTensors of FSDP2 with tensor parallelism on a ``(dp, tp)`` mesh, in
     one call. torch's own function stacks the per-parameter norms, which fails for DTensors
-    on different meshes (pytorch#180346). Here the gradients are grouped by mesh and
-    placements; each group's norm is reduced over its own mesh, the groups' norms are
-    combined as plain tensors, and each group is scaled with one foreach call.
+    on different meshes (pytorch#180346). Here the gradients are grouped by mesh; each
+    group's norm is reduced over its own mesh, the groups' norms are combined as plain
+    tensors, and each group is scaled with one foreach call.
 
     Args:
         parameters: A tensor or an iterable of tensors whose gradients are clipped.
@@ -60,17 +60,17 @@ def clip_grad_norm_(
 
 
 def _by_layout(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The parameters with a gradient, grouped by the layout of the gradient.
+    """The parameters with a gradient, grouped by the device mesh of the gradient.
 
-    A DTensor's layout is its mesh and placements; every plain tensor is in one group. The
-    groups come in the order their layouts first appear.
+    Every plain tensor is in one group. The groups come in the order their meshes first
+    appear.
     """
     groups: dict[Hashable, list[torch.Tensor]] = {}
     for param in params:
         grad = param.grad
         if grad is not None:
-            layout = (grad.device_mesh, grad.placements) if _is_dtensor(grad) else None  # type: ignore[attr-defined]
-            groups.setdefault(layout, []).append(param)
+            mesh = grad.device_mesh if _is_dtensor(grad) else None  # type: ignore[attr-defined]
+            groups.setdefault(mesh, []).append(param)
     return list(groups.values())
 
 

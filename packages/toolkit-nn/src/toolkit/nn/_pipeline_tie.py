@@ -151,12 +151,12 @@ class PipelineTie:
         }
         # The weights held by more than one rank are summed in one all_reduce over the group.
         self._shared = [name for name in self.names if len(self._holders[name]) > 1]
+        # One buffer for every tied weight: their gradients' common dtype, on this rank's device.
         self._dtype = functools.reduce(
-            torch.promote_types, [layout.dtype for layout in self._layouts.values()], torch.float32
+            torch.promote_types, [x.dtype for x in self._layouts.values()]
         )
         weights = [_weight(c) for copies in self._copies.values() for c in copies]
-        devices = [p.device for p in [*weights, *(p for m in modules for p in m.parameters())]]
-        self._device = devices[0] if devices else torch.device("cpu")
+        self._device = _device([*weights, *(p for m in modules for p in m.parameters())])
         self._written: dict[tuple[str, int], _Mark] = {}
         self._flagged: dict[tuple[str, int], _Mark] = {}
         self._hooked: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
@@ -201,23 +201,23 @@ class PipelineTie:
         name, index = key
         return _weight(self._copies[name][index]).grad
 
-    def _local_sum(self, name: str, out: torch.Tensor) -> int:
-        """Add this rank's part of ``name``'s gradient into ``out``; return how many copies had one.
+    def _local_sum(self, name: str, out: torch.Tensor) -> bool:
+        """Add this rank's part of ``name``'s gradient into ``out``; whether any copy had one.
 
         A copy other than the first one still holding the gradient the last call wrote, not
         accumulated onto since, adds nothing: the first copy holds that part once.
         """
-        count = 0
+        present = False
         for index, module in enumerate(self._copies[name]):
             key = (name, index)
             grad = _weight(module).grad
             if grad is None:
                 continue
-            count += 1
+            present = True
             written = self._written.get(key)
             if written is None or not written.holds(grad) or self._is_primary(key):
-                out.add_(_local(grad).reshape(out.shape))
-        return count
+                out.add_(_local(grad))
+        return present
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
@@ -251,7 +251,7 @@ class PipelineTie:
         )
         *parts, counts = torch.split(flat, [*sizes, len(self._shared) + 1])
         sums: dict[str, torch.Tensor] = {}
-        present: dict[str, int] = {}
+        present: dict[str, bool] = {}
         for name in self.names:
             layout = self._layouts[name]
             if name in self._shared:
@@ -259,11 +259,13 @@ class PipelineTie:
             else:
                 sums[name] = torch.zeros(layout.local_shape, dtype=self._dtype, device=self._device)
             present[name] = self._local_sum(name, sums[name])
-        counts.copy_(torch.tensor([*(present[n] for n in self._shared), len(self._flagged)]))
+        counts.copy_(torch.tensor([*(float(present[n]) for n in self._shared), len(self._flagged)]))
         if self._shared:
             dist.all_reduce(flat, group=self.group)
         *shared_counts, flagged = counts.tolist()
-        present.update(zip(self._shared, shared_counts, strict=True))
+        present.update(
+            (name, count > 0) for name, count in zip(self._shared, shared_counts, strict=True)
+        )
         if flagged > 0:
             raise RuntimeError(
                 "PipelineTie.reduce_grads() found a gradient accumulated onto the sum that the "
@@ -273,14 +275,14 @@ class PipelineTie:
                 "several schedule steps under FSDP2, call reduce_grads() once, after the last"
             )
         for name, total in sums.items():
-            if present[name] == 0:
+            if not present[name]:
                 continue  # frozen, or unused this step: every copy keeps None
             for index, module in enumerate(self._copies[name]):
                 weight = _weight(module)
                 if weight.grad is None:
                     weight.grad = _like(weight, total.to(_local(weight).dtype, copy=True))
                 else:
-                    _local(weight.grad).copy_(total.view_as(_local(weight.grad)))
+                    _local(weight.grad).copy_(total)
                 self._written[name, index] = _Mark(weight.grad)
                 self._hook((name, index), weight)
 
@@ -289,19 +291,18 @@ class PipelineTie:
         hooked = self._hooked.get(key)
         if (hooked is not None and hooked() is weight) or not weight.requires_grad:
             return
-        before = functools.partial(self._before_accumulation, key, weakref.ref(weight))
+        before = functools.partial(self._before_accumulation, key, weight)
         after = functools.partial(self._after_accumulation, key)
         weight.register_hook(before)  # type: ignore[no-untyped-call]
         weight.register_post_accumulate_grad_hook(after)  # type: ignore[no-untyped-call]
         self._hooked[key] = weakref.ref(weight)
 
     def _before_accumulation(
-        self, key: tuple[str, int], ref: weakref.ref[nn.Parameter], _incoming: torch.Tensor
+        self, key: tuple[str, int], weight: nn.Parameter, _incoming: torch.Tensor
     ) -> None:
         """Before autograd adds into the gradient this tie wrote: keep its sum on one copy."""
         written = self._written.pop(key, None)
-        weight = ref()
-        if written is None or weight is None or not written.holds(weight.grad):
+        if written is None or not written.holds(weight.grad):
             return
         if not self._is_primary(key):
             with torch.no_grad():
@@ -562,6 +563,13 @@ def _copies_problem(
             local = _local(weights[0])
             layouts[name] = _Layout(tuple(weights[0].shape), tuple(local.shape), local.dtype)
     return None, layouts
+
+
+def _device(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """The device of the first of ``tensors``; the CPU if there is none."""
+    for tensor in tensors:
+        return tensor.device
+    return torch.device("cpu")
 
 
 def _weight(module: nn.Module) -> nn.Parameter:
