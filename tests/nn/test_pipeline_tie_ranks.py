@@ -637,6 +637,8 @@ def test_clipping_without_the_pipeline_group_on_a_larger_world_is_refused() -> N
     messages = run_ranks(2, rank_main)
     assert messages[0] == messages[1]
     assert "the default group has 2 ranks" in messages[0]
+    assert 'Pass group=, such as group=mesh["pp"] (or group=dist.group.WORLD' in messages[0]
+    assert messages[0].endswith("or the tie= built on that group")
 
 
 def test_clipping_takes_a_single_tensor_foreach_and_error_if_nonfinite() -> None:
@@ -652,7 +654,7 @@ def test_clipping_takes_a_single_tensor_foreach_and_error_if_nonfinite() -> None
         weight = nn.Parameter(torch.zeros_like(grads[rank]))
         for foreach in (True, False):
             weight.grad = grads[rank].clone()
-            norm = pipeline_clip_grad_norm_(weight, 0.5, 3.0, False, foreach, group=world)
+            norm = pipeline_clip_grad_norm_(weight, 0.5, 3.0, True, foreach, group=world)
             torch.testing.assert_close(norm, expected)
             torch.testing.assert_close(weight.grad, twins[rank].grad)
         weight.grad = grads[rank].clone()
@@ -662,6 +664,35 @@ def test_clipping_takes_a_single_tensor_foreach_and_error_if_nonfinite() -> None
         with pytest.raises(RuntimeError, match="non-finite") as info:
             pipeline_clip_grad_norm_([weight], 0.5, error_if_nonfinite=True, group=world)
         assert torch.equal(weight.grad, before)  # raised on every rank before scaling
+        # By default, as torch's, the gradients are scaled by the non-finite norm.
+        assert pipeline_clip_grad_norm_([weight], 0.5, group=world).isinf()
         return str(info.value)
 
     assert len(set(run_ranks(3, rank_main))) == 1
+
+
+def test_two_pipelines_tying_different_modules_keep_to_their_own_groups() -> None:
+    base = stages_of(0, 2)
+    stages = [base[0], base[1], base[0], AuxStage(base[1])]  # pipeline 1 adds a local tie
+
+    def rank_main(rank: int) -> tuple[str, ...]:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        return PipelineTie(copy.deepcopy(stages[rank]), groups[rank // 2]).names
+
+    assert run_ranks(4, rank_main) == [("emb",)] * 2 + [("aux_emb", "emb")] * 2
+
+
+def test_float64_tied_gradients_are_summed_in_float64() -> None:
+    stages = [stage.double() for stage in stages_of(0, 2)]
+    small = torch.full((17, 8), 1e-12, dtype=torch.float64)
+
+    def rank_main(rank: int) -> None:
+        stage = copy.deepcopy(stages[rank])
+        tie = PipelineTie(stage)
+        stage.emb.weight.grad = torch.ones_like(stage.emb.weight) if rank == 0 else small.clone()
+        tie.reduce_grads()
+        assert stage.emb.weight.grad.dtype == torch.float64
+        assert torch.equal(stage.emb.weight.grad, 1.0 + small)
+
+    assert not torch.equal(1.0 + small, (1.0 + small.float()).double())  # float32 would round
+    run_ranks(2, rank_main)
