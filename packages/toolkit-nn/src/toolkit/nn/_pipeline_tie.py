@@ -373,7 +373,7 @@ def pipeline_clip_grad_norm_(
 
     The total norm is the one ``torch.nn.utils.clip_grad_norm_`` gives for the whole model
     in one process: each rank takes the norm of its stages' gradients, as
-    :func:`toolkit.nn.clip_grad_norm_` does (DTensors on any meshes), leaving out the
+    ``toolkit.nn.clip_grad_norm_`` does (DTensors on any meshes), leaving out the
     duplicate copies of ``tie`` (``PipelineTie.duplicates()``), and the ranks of the
     pipeline combine theirs in float32 (float64 for float64 gradients). Call it after
     ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
