@@ -637,7 +637,8 @@ def test_clipping_without_the_pipeline_group_on_a_larger_world_is_refused() -> N
     messages = run_ranks(2, rank_main)
     assert messages[0] == messages[1]
     assert "the default group has 2 ranks" in messages[0]
-    assert 'Pass group=, such as group=mesh["pp"] (or group=dist.group.WORLD' in messages[0]
+    assert "tensor parallelism. Pass group=, such as group=mesh" in messages[0]
+    assert "group=dist.group.WORLD when every rank is a stage" in messages[0]
     assert messages[0].endswith("or the tie= built on that group")
 
 
