@@ -29,6 +29,7 @@ def test_public_api() -> None:
         "TiedLinear",
         "TiedLinearParallel",
         "__version__",
+        "clip_grad_norm_",
         "create_entries",
         "pipeline_clip_grad_norm_",
         "sync_entries",

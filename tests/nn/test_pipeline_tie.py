@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from copy import deepcopy
 from typing import Any
 
 import pytest
@@ -30,7 +31,7 @@ from tests.nn.distributed.pipeline_lm import (
     whole_model,
 )
 from tests.nn.distributed.tiny_lm import LR, batches, initial_state, loss_fn
-from toolkit.nn import PipelineTie, TiedLinear, pipeline_clip_grad_norm_
+from toolkit.nn import PipelineTie, TiedLinear, clip_grad_norm_, pipeline_clip_grad_norm_
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -190,6 +191,19 @@ def test_reduce_grads_sums_the_copies_and_fills_a_missing_gradient() -> None:
     assert torch.equal(first.emb.weight.grad, torch.full_like(first.emb.weight, 5.0))
     assert torch.equal(last.emb.weight.grad, torch.full_like(last.emb.weight, 5.0))
     assert first.emb.weight.grad is not last.emb.weight.grad
+
+
+def test_a_copy_frozen_alone_is_given_the_sum_and_the_copies_stay_equal() -> None:
+    first, last = two_stages()
+    tie = PipelineTie([first, last])
+    first.emb.weight.requires_grad_(False)  # the lookup's copy only
+    last.emb.weight.grad = torch.full_like(last.emb.weight, 2.0)
+    for _ in range(2):
+        tie.reduce_grads()
+        assert torch.equal(first.emb.weight.grad, torch.full_like(first.emb.weight, 2.0))
+        assert torch.equal(last.emb.weight.grad, torch.full_like(last.emb.weight, 2.0))
+    torch.optim.SGD([*first.parameters(), *last.parameters()], lr=0.1).step()
+    tie.check()
 
 
 def looped_training(*, sum_grads: bool) -> dict[str, Any]:
@@ -366,3 +380,42 @@ def test_clipping_a_stage_without_gradients_gives_a_zero_norm() -> None:
     assert norm.dtype == torch.float32
     assert norm.item() == 0.0
     assert all(p.grad is None for p in frozen.parameters())
+
+
+def test_accumulating_into_three_copies_on_one_rank_counts_each_backward_once() -> None:
+    first, last = two_stages()
+    third = deepcopy(last)
+    tie = PipelineTie([first, last, third])
+    tokens = torch.tensor([[1, 2, 3]])
+    hidden = torch.ones(1, 3, 8)
+
+    def backward() -> None:
+        first.emb(tokens).square().sum().backward()
+        for stage in (last, third):
+            stage.out.head(hidden).square().sum().backward()
+
+    backward()
+    tie.reduce_grads()
+    once = first.emb.weight.grad.clone()  # type: ignore[union-attr]
+    backward()
+    tie.reduce_grads()
+    for stage in (first, last, third):
+        torch.testing.assert_close(stage.emb.weight.grad, 2 * once)
+
+
+def test_foreach_true_where_no_foreach_kernel_exists_is_refused_as_by_torch() -> None:
+    weight = nn.Parameter(torch.ones(3, device="meta"))
+    weight.grad = torch.ones(3, device="meta")
+    with pytest.raises(RuntimeError, match="foreach=True was passed") as theirs:
+        torch.nn.utils.clip_grad_norm_(weight, 1.0, foreach=True, error_if_nonfinite=True)
+    for clip in (clip_grad_norm_, pipeline_clip_grad_norm_):
+        with pytest.raises(RuntimeError, match="foreach=True was passed") as ours:
+            clip(weight, 1.0, foreach=True, error_if_nonfinite=True)
+        assert str(ours.value) == str(theirs.value)
+
+
+def test_clipping_a_finite_norm_with_error_if_nonfinite_clips() -> None:
+    weight = nn.Parameter(torch.zeros(2))
+    weight.grad = torch.tensor([3.0, 4.0])
+    for clip in (clip_grad_norm_, pipeline_clip_grad_norm_):
+        assert clip([weight], 10.0, error_if_nonfinite=True).item() == 5.0

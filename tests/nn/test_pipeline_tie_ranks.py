@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.nn.distributed.pipeline_lm import StageLM, split, whole_model
-from tests.nn.distributed.tiny_lm import initial_state
+from tests.nn.distributed.tiny_lm import batches, initial_state, loss_fn
 from tests.nn.threads import run_ranks
 from toolkit.nn import PipelineTie, TiedLinear, pipeline_clip_grad_norm_
 
@@ -92,18 +92,6 @@ class recorded:  # noqa: N801 - used as a context manager, like a function
 # Set-up errors: raised on every rank. ----------------------------------------------------------
 
 
-def test_a_middle_rank_without_a_copy_in_the_group_is_refused_on_every_rank() -> None:
-    stages = stages_of(0, 3)
-    assert "emb" not in dict(stages[1].named_children())  # the middle stage holds no copy
-    messages = run_ranks(3, refusal(lambda rank: PipelineTie(copy.deepcopy(stages[rank]))))
-    expected = (
-        "PipelineTie refused group rank 1's stages: none of its 1 stage(s) has a module 'emb', "
-        "which the group ties; keep the tied module registered under its name in the whole "
-        "model in every stage that holds a copy, and leave ranks without a copy out of the group"
-    )
-    assert messages == [expected] * 3
-
-
 def test_copies_of_different_shapes_on_two_ranks_are_refused_on_every_rank() -> None:
     first, last = stages_of(0, 2)
     last.emb = nn.Embedding(5, 8)
@@ -150,8 +138,9 @@ def whole_grads(stages: list[StageLM], grads: list[dict[str, torch.Tensor]]) -> 
     return params
 
 
+@pytest.mark.parametrize("pass_group", [True, False], ids=["group", "tie-group"])
 @pytest.mark.parametrize("kind", ["subgroup", "mesh"])
-def test_two_pipelines_on_their_own_groups_do_not_mix(kind: str) -> None:
+def test_two_pipelines_on_their_own_groups_do_not_mix(kind: str, pass_group: bool) -> None:
     pipelines = [stages_of(seed, 2) for seed in (0, 1)]
     torch.manual_seed(5)
     grads = [
@@ -187,8 +176,9 @@ def test_two_pipelines_on_their_own_groups_do_not_mix(kind: str) -> None:
             torch.testing.assert_close(
                 stage.emb.weight.grad, grads[p][0]["emb.weight"] + grads[p][1]["emb.weight"]
             )
+            # Without group=, the tie's group is the pipeline: not the world of 4 ranks.
             norm = pipeline_clip_grad_norm_(
-                stage.parameters(), 0.5, norm_type, group=group, tie=tie
+                stage.parameters(), 0.5, norm_type, group=group if pass_group else None, tie=tie
             )
             expected_norm, expected_grads = expected[p, norm_type]
             assert norm > 0.5
@@ -226,16 +216,11 @@ def test_reduce_grads_on_dtensor_weights_fills_a_missing_gradient_as_the_weight(
         assert shard.to_local().shape == ((9, 8) if mesh["dp"].get_local_rank() == 0 else (8, 8))
         torch.testing.assert_close(shard.full_tensor(), emb, rtol=0, atol=0)
 
-        # No copy has a gradient: every copy gets zeros, laid out as its weight.
+        # No copy has a gradient: every copy keeps None, after the one all_reduce.
         with recorded() as collectives:
             tie.reduce_grads()
         assert collectives == ["all_reduce"]
-        grad = shard.grad
-        assert isinstance(grad, DTensor)
-        assert grad.device_mesh is shard.device_mesh
-        assert grad.placements == (Shard(0),)
-        assert (grad.shape, grad.stride()) == ((17, 8), (8, 1))
-        torch.testing.assert_close(grad.to_local(), torch.zeros_like(shard.to_local()))
+        assert shard.grad is None
 
         # Only the head's copy has a gradient: the lookup's copy is given it.
         local = distribute_tensor(head_grad, mesh["dp"], [Shard(0)], src_data_rank=None)
@@ -245,7 +230,9 @@ def test_reduce_grads_on_dtensor_weights_fills_a_missing_gradient_as_the_weight(
         assert collectives == ["all_reduce"]
         grad = shard.grad
         assert isinstance(grad, DTensor)
+        assert grad.device_mesh == shard.device_mesh
         assert grad.placements == (Shard(0),)
+        assert (grad.shape, grad.stride()) == ((17, 8), (8, 1))
         torch.testing.assert_close(grad.full_tensor(), head_grad, rtol=0, atol=0)
 
         # Clipping counts the tied weight once and returns a plain tensor, on every rank.
@@ -304,7 +291,7 @@ def test_clipping_three_stages_matches_one_process(norm_type: float, frozen_midd
                 param.grad = None if grad is None else grad.clone()
                 mine.append(param)
                 expected_mine.append(expected_grads[starts[index] + offset])
-        norm = pipeline_clip_grad_norm_(mine, 0.05, norm_type)
+        norm = pipeline_clip_grad_norm_(mine, 0.05, norm_type, group=dist.group.WORLD)
         for param, grad in zip(mine, expected_mine, strict=True):
             torch.testing.assert_close(param.grad, grad)
         return norm, expected_mine
@@ -340,3 +327,373 @@ def test_a_one_rank_pipeline_in_a_larger_world_communicates_nothing(spy: None) -
     norms = run_ranks(2, rank_main)
     for norm, reference in zip(norms, expected, strict=True):
         torch.testing.assert_close(norm, reference, rtol=0, atol=0)
+
+
+# Training loops on thread ranks: one stage per rank, the hidden states passed as a schedule's
+# point-to-point messages would be, the reference the whole model in one process. ------------
+
+
+def exchange(tensor: torch.Tensor | None, source: int) -> torch.Tensor:
+    """``tensor`` of group rank ``source``, given to every rank."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, tensor, group=None)
+    return gathered[source]  # type: ignore[no-any-return]
+
+
+def pipeline_backward(
+    rank: int, n: int, stage: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, scale: float
+) -> None:
+    """One microbatch's forward and backward through ``n`` stages, stage ``rank`` on this rank.
+
+    The last stage's loss is multiplied by ``scale``, as a schedule with ``scale_grads=False``
+    and a loss divided by the number of microbatches does.
+    """
+    x: torch.Tensor = tokens
+    out = inp = None
+    for s in range(n):
+        if rank == s:
+            inp = x if s == 0 else x.detach().requires_grad_()
+            out = stage(inp)
+        if s < n - 1:
+            x = exchange(out.detach() if rank == s else None, s)  # type: ignore[union-attr]
+    if rank == n - 1:
+        (loss_fn(out, targets) * scale).backward()  # type: ignore[arg-type]
+    for s in reversed(range(1, n)):
+        grad = exchange(inp.grad if rank == s else None, s)  # type: ignore[union-attr]
+        if rank == s - 1:
+            out.backward(grad)  # type: ignore[union-attr]
+
+
+ACCUMULATION = 2  # schedule steps per optimizer step
+MICRO = 2  # microbatches per schedule step
+
+
+def reference_accumulated(steps: int, frozen: bool = False) -> dict[str, Any]:
+    """The whole model trained with AdamW and clipping on ``ACCUMULATION * MICRO`` microbatches
+    per optimizer step, each of its loss divided by their number."""
+    model = whole_model(initial_state())
+    model.emb.weight.requires_grad_(not frozen)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5)
+    norms = []
+    for tokens, targets in batches(2, steps):
+        opt.zero_grad()
+        for t, y in zip(
+            tokens.chunk(ACCUMULATION * MICRO), targets.chunk(ACCUMULATION * MICRO), strict=True
+        ):
+            (loss_fn(model(t), y) / (ACCUMULATION * MICRO)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
+        opt.step()
+    return {"norms": norms, "state": model.state_dict()}
+
+
+def accumulated_training(
+    stages: list[StageLM], reduce: str, set_to_none: bool, steps: int, frozen: bool = False
+) -> Callable[[int], dict[str, Any]]:
+    """A rank function: stage ``rank`` trained as ``reference_accumulated``, the tie on the
+    whole group.
+
+    ``reduce`` says when ``reduce_grads()`` is called: ``"once"`` before clipping, ``"each"``
+    after every schedule step, ``"twice"`` twice before clipping.
+    """
+    return lambda rank: _accumulated_training(stages, rank, reduce, set_to_none, steps, frozen)
+
+
+def _accumulated_training(
+    stages: list[StageLM], rank: int, reduce: str, set_to_none: bool, steps: int, frozen: bool
+) -> dict[str, Any]:
+    n = len(stages)
+    stage = copy.deepcopy(stages[rank])
+    if stage.emb is not None:
+        stage.emb.weight.requires_grad_(not frozen)
+    tie = PipelineTie(stage, dist.group.WORLD)
+    opt = torch.optim.AdamW(stage.parameters(), lr=0.05, weight_decay=0.5)
+    norms = []
+    for tokens, targets in batches(2, steps):
+        opt.zero_grad(set_to_none=set_to_none)
+        chunks = list(
+            zip(
+                tokens.chunk(ACCUMULATION * MICRO), targets.chunk(ACCUMULATION * MICRO), strict=True
+            )
+        )
+        for step in range(ACCUMULATION):
+            for t, y in chunks[step * MICRO : (step + 1) * MICRO]:
+                pipeline_backward(rank, n, stage, t, y, 1 / (ACCUMULATION * MICRO))
+            if reduce == "each":
+                tie.reduce_grads()
+        for _ in range({"once": 1, "twice": 2, "each": 0}[reduce]):
+            tie.reduce_grads()
+        norms.append(pipeline_clip_grad_norm_(stage.parameters(), 0.5, tie=tie))
+        opt.step()
+    tie.check()
+    return {"norms": norms, "state": stage.state_dict(), "tie": repr(tie)}
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed"])
+@pytest.mark.parametrize("reduce", ["once", "each", "twice"])
+def test_accumulating_over_schedule_steps_counts_every_backward_once(
+    reduce: str, set_to_none: bool
+) -> None:
+    expected = reference_accumulated(steps=2)
+    results = run_ranks(3, accumulated_training(stages_of(0, 3), reduce, set_to_none, 2))
+    # The middle stage holds no copy, and runs the same loop.
+    assert results[1]["tie"] == (
+        "PipelineTie(names=['emb'], copies_on_this_rank={emb: 0}, group_size=3)"
+    )
+    for result in results:
+        torch.testing.assert_close(result["norms"], expected["norms"])
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, expected["state"][key], msg=key)
+
+
+def test_a_frozen_tied_weight_keeps_no_gradient_and_no_weight_decay() -> None:
+    expected = reference_accumulated(steps=2, frozen=True)
+    emb = initial_state()["emb.weight"]
+
+    rank_main = accumulated_training(stages_of(0, 2), "each", True, 2, frozen=True)
+    for result in run_ranks(2, rank_main):
+        torch.testing.assert_close(result["state"]["emb.weight"], emb, rtol=0, atol=0)
+        for key, value in result["state"].items():
+            torch.testing.assert_close(value, expected["state"][key], msg=key)
+        torch.testing.assert_close(result["norms"], expected["norms"])
+
+
+def test_copies_without_gradients_this_step_keep_none_with_one_all_reduce(spy: None) -> None:
+    stages = stages_of(0, 3)
+
+    def rank_main(rank: int) -> None:
+        stage = copy.deepcopy(stages[rank])
+        tie = PipelineTie(stage, dist.group.WORLD)
+        with recorded() as collectives:
+            tie.reduce_grads()
+        assert collectives == ["all_reduce"]  # on every rank, the middle one's included
+        assert all(p.grad is None for p in stage.parameters())
+
+    run_ranks(3, rank_main)
+
+
+def test_reduce_grads_twice_leaves_the_sum_unchanged(spy: None) -> None:
+    tokens, targets = batches(2, 1)[0]
+    whole = whole_model(initial_state())
+    loss_fn(whole(tokens), targets).backward()
+    expected = whole.emb.weight.grad
+    stages = stages_of(0, 2)
+
+    def rank_main(rank: int) -> None:
+        stage = copy.deepcopy(stages[rank])
+        tie = PipelineTie(stage, dist.group.WORLD)
+        pipeline_backward(rank, 2, stage, tokens, targets, 1.0)
+        for _ in range(3):
+            with recorded() as collectives:
+                tie.reduce_grads()
+            assert collectives == ["all_reduce"]
+            torch.testing.assert_close(stage.emb.weight.grad, expected)
+        # Its hooks are registered once per Parameter, not once per call.
+        assert len(stage.emb.weight._backward_hooks) == 1  # type: ignore[arg-type]
+        assert len(stage.emb.weight._post_accumulate_grad_hooks) == 1  # type: ignore[arg-type]
+
+    run_ranks(2, rank_main)
+
+
+def test_fsdp2_accumulating_onto_the_written_sum_is_refused_on_every_rank() -> None:
+    """FSDP2 adds a reduce-scattered gradient into the sharded one and then runs the
+    post-accumulate-grad hooks, without autograd's pre-accumulation hooks: as here."""
+    head_grad = torch.arange(17 * 8, dtype=torch.float32).view(17, 8)
+    stages = stages_of(0, 2)
+
+    def fsdp2_accumulate(param: nn.Parameter, local: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            param.grad = DTensor.from_local(
+                local.clone(),
+                param.device_mesh,
+                param.placements,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+        else:
+            grad._local_tensor += local  # type: ignore[attr-defined]
+        for hook in (param._post_accumulate_grad_hooks or {}).values():
+            hook(param)
+
+    def rank_main(rank: int) -> str:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        pp = mesh["pp"].get_local_rank()
+        stage = copy.deepcopy(stages[pp])
+        stage.emb.weight = nn.Parameter(
+            distribute_tensor(stage.emb.weight.detach(), mesh["dp"], [Shard(0)])
+        )
+        weight = stage.emb.weight
+        tie = PipelineTie(stage, mesh["pp"])
+        local = distribute_tensor(head_grad, mesh["dp"], [Shard(0)]).to_local()
+        fsdp2_accumulate(weight, local * (pp + 1))
+        tie.reduce_grads()
+        torch.testing.assert_close(weight.grad.full_tensor(), head_grad * 3)
+        # zero_grad(set_to_none=False), then a backward: the sum is taken again, once.
+        weight.grad.zero_()
+        fsdp2_accumulate(weight, local * (pp + 1))
+        tie.reduce_grads()
+        torch.testing.assert_close(weight.grad.full_tensor(), head_grad * 3)
+        # A backward onto the written sum, without zeroing: refused, nothing changed.
+        fsdp2_accumulate(weight, local)
+        before = weight.grad.to_local().clone()
+        with pytest.raises(RuntimeError, match=r"^PipelineTie.reduce_grads\(\)") as info:
+            tie.reduce_grads()
+        assert torch.equal(weight.grad.to_local(), before)
+        with pytest.raises(RuntimeError):  # still refused until the gradient is cleared
+            tie.reduce_grads()
+        opt = torch.optim.SGD([weight], lr=0.1)
+        opt.zero_grad(set_to_none=True)
+        fsdp2_accumulate(weight, local * (pp + 1))
+        tie.reduce_grads()
+        torch.testing.assert_close(weight.grad.full_tensor(), head_grad * 3)
+        # Only the first stage's copy, which carries the sum, accumulates onto it: once.
+        if pp == 0:
+            fsdp2_accumulate(weight, local)
+        tie.reduce_grads()
+        torch.testing.assert_close(weight.grad.full_tensor(), head_grad * 4)
+        return str(info.value)
+
+    messages = run_ranks(4, rank_main)
+    assert len(set(messages)) == 1
+    assert "zero_grad()" in messages[0]
+
+
+# A tie that one stage holds alone, and one pipeline as the tie's group. ----------------------
+
+
+class AuxStage(StageLM):
+    """The last stage with a second head, tied to an embedding only this stage has."""
+
+    def __init__(self, stage: StageLM) -> None:
+        super().__init__()
+        self.load_state_dict(stage.state_dict(), strict=False)
+        self.aux_emb = nn.Embedding(5, 8)
+        self.aux = nn.Module()
+        self.aux.head = TiedLinear(self.aux_emb)
+
+
+def test_a_tie_held_by_one_stage_alone_is_accepted_and_needs_no_communication(
+    spy: None,
+) -> None:
+    torch.manual_seed(11)
+    aux_grad = torch.randn(5, 8)
+    stages = [nn.Tanh(), AuxStage(stages_of(0, 2)[1])]  # rank 0: no parameter at all
+
+    def rank_main(rank: int) -> None:
+        stage = copy.deepcopy(stages[rank])
+        with recorded() as collectives:
+            tie = PipelineTie(stage, dist.group.WORLD)
+        assert "broadcast" not in collectives
+        assert tie.names == ("aux_emb", "emb")  # the last stage holds both, rank 0 neither
+        if rank == 1:
+            stage.aux_emb.weight.grad = aux_grad.clone()
+        with recorded() as collectives:
+            tie.reduce_grads()
+            tie.broadcast()
+        assert collectives == []
+        if rank == 1:
+            torch.testing.assert_close(stage.aux_emb.weight.grad, aux_grad, rtol=0, atol=0)
+            assert list(tie.duplicates()) == []
+
+    run_ranks(2, rank_main)
+
+
+def test_a_stage_local_tie_beside_the_pipeline_tie_trains_both() -> None:
+    first, last = stages_of(0, 2)
+    torch.manual_seed(12)
+    emb_grads = [torch.randn(17, 8) for _ in range(2)]
+    aux_grad = torch.randn(5, 8)
+
+    stages = [first, AuxStage(last)]
+
+    def rank_main(rank: int) -> None:
+        stage = copy.deepcopy(stages[rank])
+        tie = PipelineTie(stage, dist.group.WORLD)
+        assert tie.names == ("aux_emb", "emb")
+        stage.emb.weight.grad = emb_grads[rank].clone()
+        if rank == 1:
+            stage.aux_emb.weight.grad = aux_grad.clone()
+        tie.reduce_grads()
+        torch.testing.assert_close(stage.emb.weight.grad, emb_grads[0] + emb_grads[1])
+        if rank == 1:
+            torch.testing.assert_close(stage.aux_emb.weight.grad, aux_grad, rtol=0, atol=0)
+        tie.check()
+
+    run_ranks(2, rank_main)
+
+
+# pipeline_clip_grad_norm_ takes what torch's clip_grad_norm_ takes, and the pipeline's group. --
+
+
+def test_clipping_without_the_pipeline_group_on_a_larger_world_is_refused() -> None:
+    def rank_main(rank: int) -> str:
+        layer = nn.Linear(3, 2)
+        layer.weight.grad = torch.ones(2, 3)
+        with pytest.raises(ValueError, match="group=") as info:
+            pipeline_clip_grad_norm_(layer.parameters(), 0.5)
+        assert torch.equal(layer.weight.grad, torch.ones(2, 3))
+        return str(info.value)
+
+    messages = run_ranks(2, rank_main)
+    assert messages[0] == messages[1]
+    assert "the default group has 2 ranks" in messages[0]
+    assert "tensor parallelism. Pass group=, such as group=mesh" in messages[0]
+    assert "group=dist.group.WORLD when every rank is a stage" in messages[0]
+    assert messages[0].endswith("or the tie= built on that group")
+
+
+def test_clipping_takes_a_single_tensor_foreach_and_error_if_nonfinite() -> None:
+    torch.manual_seed(13)
+    grads = [torch.randn(3, 17 - rank) for rank in range(3)]  # one tensor per stage, uneven
+    twins = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for twin, grad in zip(twins, grads, strict=True):
+        twin.grad = grad.clone()
+    expected = torch.nn.utils.clip_grad_norm_(twins, 0.5, 3.0)
+
+    def rank_main(rank: int) -> str:
+        world = dist.group.WORLD
+        weight = nn.Parameter(torch.zeros_like(grads[rank]))
+        for foreach in (True, False):
+            weight.grad = grads[rank].clone()
+            norm = pipeline_clip_grad_norm_(weight, 0.5, 3.0, True, foreach, group=world)
+            torch.testing.assert_close(norm, expected)
+            torch.testing.assert_close(weight.grad, twins[rank].grad)
+        weight.grad = grads[rank].clone()
+        if rank == 2:
+            weight.grad[0, 0] = float("inf")
+        before = weight.grad.clone()
+        with pytest.raises(RuntimeError, match="non-finite") as info:
+            pipeline_clip_grad_norm_([weight], 0.5, error_if_nonfinite=True, group=world)
+        assert torch.equal(weight.grad, before)  # raised on every rank before scaling
+        # By default, as torch's, the gradients are scaled by the non-finite norm.
+        assert pipeline_clip_grad_norm_([weight], 0.5, group=world).isinf()
+        return str(info.value)
+
+    assert len(set(run_ranks(3, rank_main))) == 1
+
+
+def test_two_pipelines_tying_different_modules_keep_to_their_own_groups() -> None:
+    base = stages_of(0, 2)
+    stages = [base[0], base[1], base[0], AuxStage(base[1])]  # pipeline 1 adds a local tie
+
+    def rank_main(rank: int) -> tuple[str, ...]:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        return PipelineTie(copy.deepcopy(stages[rank]), groups[rank // 2]).names
+
+    assert run_ranks(4, rank_main) == [("emb",)] * 2 + [("aux_emb", "emb")] * 2
+
+
+def test_float64_tied_gradients_are_summed_in_float64() -> None:
+    stages = [stage.double() for stage in stages_of(0, 2)]
+    small = torch.full((17, 8), 1e-12, dtype=torch.float64)
+
+    def rank_main(rank: int) -> None:
+        stage = copy.deepcopy(stages[rank])
+        tie = PipelineTie(stage)
+        stage.emb.weight.grad = torch.ones_like(stage.emb.weight) if rank == 0 else small.clone()
+        tie.reduce_grads()
+        assert stage.emb.weight.grad.dtype == torch.float64
+        assert torch.equal(stage.emb.weight.grad, 1.0 + small)
+
+    assert not torch.equal(1.0 + small, (1.0 + small.float()).double())  # float32 would round
+    run_ranks(2, rank_main)

@@ -116,14 +116,20 @@ def test_every_rank_refuses_a_head_reading_an_unregistered_embedding(worlds: Wor
         )
 
 
-def test_every_rank_refuses_a_rank_of_the_group_without_a_copy(worlds: Worlds) -> None:
-    for message in per_rank(worlds, 2, "pipeline/refused_without_a_copy"):
-        assert message == (
-            "PipelineTie refused group rank 0's stages: none of its 1 stage(s) has a module "
-            "'emb', which the group ties; keep the tied module registered under its name in "
-            "the whole model in every stage that holds a copy, and leave ranks without a copy "
-            "out of the group"
-        )
+def test_a_rank_of_the_group_without_a_copy_takes_part_and_needs_no_communication(
+    worlds: Worlds,
+) -> None:
+    without, holder = per_rank(worlds, 2, "pipeline/accepted_without_a_copy")
+    assert (
+        without["repr"] == "PipelineTie(names=['emb'], copies_on_this_rank={emb: 0}, group_size=2)"
+    )
+    assert (
+        holder["repr"] == "PipelineTie(names=['emb'], copies_on_this_rank={emb: 1}, group_size=2)"
+    )
+    for result in (without, holder):
+        assert result["collectives"] == {}
+    assert without["grad"] is None
+    assert torch.equal(holder["grad"], torch.ones(17, 8))
 
 
 def test_every_rank_refuses_copies_of_different_shapes(worlds: Worlds) -> None:

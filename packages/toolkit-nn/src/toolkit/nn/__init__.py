@@ -3,6 +3,7 @@
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
+from toolkit.nn._clip_grad import clip_grad_norm_
 from toolkit.nn._entries import create_entries, sync_entries
 from toolkit.nn._module_default_dict import ModuleDefaultDict
 from toolkit.nn._pipeline_tie import PipelineTie, pipeline_clip_grad_norm_
@@ -23,6 +24,7 @@ __all__ = [
     "TiedLinear",
     "TiedLinearParallel",
     "__version__",
+    "clip_grad_norm_",
     "create_entries",
     "pipeline_clip_grad_norm_",
     "sync_entries",

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from toolkit.nn._clip_grad import _by_layout, _check_finite, _clip_with_norm, _total_norm
 from toolkit.nn._tied_linear import TiedLinear
 from toolkit.nn._tied_linear_diagnosis import _describe, _is_dtensor
 
@@ -36,8 +39,9 @@ class PipelineTie:
     * ``reduce_grads()``, called after the pipeline schedule's ``step`` and before
       clipping and the optimizer step, sums the copies' gradients, so that every copy holds
       the gradient of the single-process model and takes the same update: one
-      ``all_reduce`` per tied weight per step, none when one rank holds every copy (looped
-      and V-shaped schedules put several stages on one rank).
+      ``all_reduce`` per step for all the tied weights, none when one rank holds every copy
+      (looped and V-shaped schedules put several stages on one rank). A tied weight that no
+      copy has a gradient for (frozen, or unused this step) keeps ``None``.
     * ``check()`` verifies the copies agree and names the first difference.
 
     The sum comes after the data-parallel reduction, which the schedule's ``step`` already
@@ -51,8 +55,12 @@ class PipelineTie:
     different parts of the weight.)
 
     The copy used as the source of ``broadcast()`` and counted by
-    ``pipeline_clip_grad_norm_`` is the first copy of group rank 0: list the ranks of
-    ``group`` in stage order so that it is the first stage's. Only the module's ``weight``
+    ``pipeline_clip_grad_norm_`` is the first copy of the first group rank that holds one:
+    list the ranks of ``group`` in stage order so that it is the first stage's. The group
+    may be the whole pipeline, ranks without a copy included: those take part in each
+    collective with nothing to add, so every rank runs the same training loop. A tie whose
+    copies one rank holds alone, such as a head tied to an embedding of its own stage,
+    needs no communication. Only the module's ``weight``
     is tied, as TiedLinear reads only the weight, so a tied module with other parameters is
     refused: their copies would differ and a checkpoint would keep one of them.
 
@@ -62,21 +70,20 @@ class PipelineTie:
     ``broadcast()`` again.
 
     Args:
-        stages: This rank's stage modules that hold a copy of the tied module (one, or
-            several for looped and V-shaped schedules): the modules passed to
-            ``PipelineStage``, possibly wrapped by DDP or ``fully_shard``. The names of the
-            tied modules are found from the TiedLinear attributes of any of the stages in
-            ``group``.
-        group: The process group of the ranks holding the copies, in stage order, or a 1-D
-            DeviceMesh of them (such as ``mesh["pp"]`` for two stages). The default is the
-            default process group. Every rank of the group must construct the PipelineTie.
+        stages: This rank's stage modules (one, or several for looped and V-shaped
+            schedules): the modules passed to ``PipelineStage``, possibly wrapped by DDP or
+            ``fully_shard``. The names of the tied modules are found from the TiedLinear
+            attributes of any of the stages in ``group``.
+        group: The process group of the pipeline's ranks in stage order, or of only those
+            holding copies, or a 1-D DeviceMesh of them such as ``mesh["pp"]``. The default
+            is the default process group. Every rank of the group must construct the
+            PipelineTie and call its methods.
 
     Raises:
         ValueError: If a stage's TiedLinear reads a module not registered in that stage, if
-            no TiedLinear is found on any rank, if a stage on this rank lacks a tied module
-            that the group ties, if the copies' weights differ in shape, or if a tied module
-            has parameters other than its weight. Every rank of the group raises the same
-            error.
+            no TiedLinear is found on any rank, if the copies' weights differ in shape, or if
+            a tied module has parameters other than its weight. Every rank of the group
+            raises the same error.
 
     Added in version v3.58.0.
 
@@ -95,7 +102,7 @@ class PipelineTie:
     """The qualified names of the tied modules, the same in every stage."""
 
     group: dist.ProcessGroup
-    """The process group of the ranks that hold the copies."""
+    """The process group of the tie: the pipeline's ranks, or only those holding copies."""
 
     def __init__(
         self,
@@ -105,112 +112,242 @@ class PipelineTie:
         modules = [stages] if isinstance(stages, nn.Module) else list(stages)
         modules = [_unwrap(m) for m in modules]
         self.group = _process_group(group)
+        self._rank = dist.get_rank(self.group)
         problem, local_names = _local_ties(modules)
-        # all_gather_object fills every slot of these lists.
-        size = dist.get_world_size(self.group)
-        gathered: list[tuple[str | None, list[str]]] = [None] * size  # type: ignore[list-item]
-        dist.all_gather_object(gathered, (problem, local_names), group=self.group)
+        gathered = _gather((problem, local_names), self.group)
         for rank, (rank_problem, _) in enumerate(gathered):
             if rank_problem is not None:
                 raise ValueError(f"PipelineTie refused group rank {rank}'s stages: {rank_problem}")
         self.names = tuple(sorted({n for _, names in gathered for n in names}))
-        problem, shapes = _copies_problem(modules, self.names)
-        checks: list[tuple[str | None, dict[str, tuple[int, ...]]]] = [None] * size  # type: ignore[list-item]
-        dist.all_gather_object(checks, (problem, shapes), group=self.group)
+        problem, layouts = _copies_problem(modules, self.names)
+        checks = _gather((problem, layouts), self.group)
         if not self.names:
             raise ValueError(
                 "PipelineTie found no TiedLinear in the stages of any rank of the group; "
                 "pass the stage modules that hold the tied module and the TiedLinear head"
             )
-        for rank, (rank_problem, rank_shapes) in enumerate(checks):
+        for rank, (rank_problem, _) in enumerate(checks):
             if rank_problem is not None:
                 raise ValueError(f"PipelineTie refused group rank {rank}'s stages: {rank_problem}")
-            if rank_shapes != checks[0][1]:
-                raise ValueError(
-                    f"PipelineTie needs every copy of the tied weights to have one shape, but "
-                    f"group rank 0 has {checks[0][1]} and group rank {rank} has {rank_shapes}; "
-                    "build every stage from the same model"
-                )
+        # Every name is held somewhere: a TiedLinear reads it from a module of its own stage.
+        self._holders = {
+            name: [rank for rank, (_, held) in enumerate(checks) if name in held]
+            for name in self.names
+        }
+        self._layouts: dict[str, _Layout] = {}
+        for name, (first, *others) in self._holders.items():
+            self._layouts[name] = checks[first][1][name]
+            for rank in others:
+                if checks[rank][1][name].shape != self._layouts[name].shape:
+                    raise ValueError(
+                        "PipelineTie needs every copy of the tied weights to have one shape, "
+                        f"but group rank {first} has {_shapes(checks[first][1])} and group "
+                        f"rank {rank} has {_shapes(checks[rank][1])}; build every stage from "
+                        "the same model"
+                    )
         self._copies = {
             name: [m.get_submodule(name) for m in modules if _has_module(m, name)]
             for name in self.names
         }
+        # The weights held by more than one rank are summed in one all_reduce over the group.
+        self._shared = [name for name in self.names if len(self._holders[name]) > 1]
+        # One buffer for every tied weight: their gradients' common dtype, on this rank's device.
+        self._dtype = functools.reduce(
+            torch.promote_types, [x.dtype for x in self._layouts.values()]
+        )
+        weights = [_weight(c) for copies in self._copies.values() for c in copies]
+        self._device = _device([*weights, *(p for m in modules for p in m.parameters())])
+        self._written: dict[tuple[str, int], _Mark] = {}
+        self._flagged: dict[tuple[str, int], _Mark] = {}
+        self._hooked: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
         self.broadcast()
 
     def _weights(self, name: str) -> list[torch.Tensor]:
         return [_local(_weight(module)) for module in self._copies[name]]
 
+    def _source(self, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """The first copy of the first rank holding one, broadcast into ``tensor`` if shared.
+
+        ``tensor`` is this rank's first copy, or None on a rank without one.
+        """
+        if name in self._shared:
+            layout = self._layouts[name]
+            if tensor is None:
+                tensor = torch.empty(layout.local_shape, dtype=layout.dtype, device=self._device)
+            dist.broadcast(tensor, group=self.group, group_src=self._holders[name][0])
+        return tensor
+
     @torch.no_grad()
     def broadcast(self) -> None:
-        """Make every copy equal to the first copy of group rank 0, the first stage's.
+        """Make every copy equal to the first copy of the first group rank holding one.
 
         Called at set-up; call it again after any load that is not a DCP load, such as
         ``load_state_dict`` on one stage or a re-initialisation. Under FSDP2 each rank
-        broadcasts its local shard, which covers the same rows on every stage.
+        broadcasts its local shard, which covers the same rows on every stage. A rank
+        without a copy takes part in the broadcast and keeps nothing.
         """
         for name in self.names:
-            first, *others = self._weights(name)
-            if dist.get_world_size(self.group) > 1:
-                dist.broadcast(first, group=self.group, group_src=0)
-            for other in others:
-                other.copy_(first)
+            weights = self._weights(name)
+            source = self._source(name, weights[0] if weights else None)
+            for weight in weights[1:]:
+                weight.copy_(source)  # type: ignore[arg-type] # weights[0] or its broadcast
+
+    def _is_primary(self, key: tuple[str, int]) -> bool:
+        """Whether copy ``key`` is the one whose gradient carries what the copies share."""
+        name, index = key
+        return index == 0 and self._rank == self._holders[name][0]
+
+    def _grad(self, key: tuple[str, int]) -> torch.Tensor | None:
+        name, index = key
+        return _weight(self._copies[name][index]).grad
+
+    def _local_sum(self, name: str, out: torch.Tensor) -> bool:
+        """Add this rank's part of ``name``'s gradient into ``out``; whether any copy had one.
+
+        A copy other than the first one still holding the gradient the last call wrote, not
+        accumulated onto since, adds nothing: the first copy holds that part once.
+        """
+        present = False
+        for index, module in enumerate(self._copies[name]):
+            key = (name, index)
+            grad = _weight(module).grad
+            if grad is None:
+                continue
+            present = True
+            written = self._written.get(key)
+            if written is None or not written.holds(grad) or self._is_primary(key):
+                out.add_(_local(grad))
+        return present
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
         """Sum the copies' gradients, so every copy holds the whole model's gradient.
 
-        Call it once per step, after the schedule's ``step`` (which has run the
+        Call it on every rank of the group after the schedule's ``step`` (which has run the
         data-parallel reduction) and before clipping and the optimizer step. It makes one
-        ``all_reduce`` per tied weight over the group, and none when the group has one rank.
-        A copy without a gradient counts as zero.
+        ``all_reduce`` over the group for all the tied weights that several ranks hold, and
+        none when one rank holds every copy; a rank without a copy contributes zeros. A copy
+        without a gradient counts as zero and is given the sum; a tied weight whose copies
+        all lack a gradient (frozen, or unused this step) keeps ``None`` everywhere.
+
+        It may be called after each of several backward passes that accumulate into the
+        same gradients, or twice: the sum is taken once. Before a backward adds into a
+        gradient this method wrote, a hook clears the gradient of every copy but the first
+        stage's, which alone carries the part already summed. FSDP2 adds into the sharded
+        gradient without that hook, so there a gradient accumulated onto the written one,
+        without ``zero_grad()`` between, is refused.
+
+        Raises:
+            RuntimeError: Under FSDP2, if a copy other than the first stage's accumulated a
+                gradient onto the one the last call wrote. Every rank raises it, and no
+                gradient is changed.
         """
+        for key, mark in list(self._flagged.items()):
+            if not mark.unchanged(self._grad(key)):
+                del self._flagged[key]
+        sizes = [math.prod(self._layouts[name].local_shape) for name in self._shared]
+        flat = torch.zeros(
+            sum(sizes) + len(self._shared) + 1, dtype=self._dtype, device=self._device
+        )
+        *parts, counts = torch.split(flat, [*sizes, len(self._shared) + 1])
+        sums: dict[str, torch.Tensor] = {}
+        present: dict[str, bool] = {}
         for name in self.names:
-            copies = [_weight(module) for module in self._copies[name]]
-            grads = [_local(w.grad) if w.grad is not None else None for w in copies]
-            present = [g for g in grads if g is not None]
-            total = present[0] if present else torch.zeros_like(_local(copies[0]))
-            for other in present[1:]:
-                total.add_(other)
-            if dist.get_world_size(self.group) > 1:
-                dist.all_reduce(total, group=self.group)
-            for weight, local in zip(copies, grads, strict=True):
-                if local is None:
-                    weight.grad = _like(weight, total.clone())
-                elif local is not total:
-                    local.copy_(total)
+            layout = self._layouts[name]
+            if name in self._shared:
+                sums[name] = parts[self._shared.index(name)].view(layout.local_shape)
+            else:
+                sums[name] = torch.zeros(layout.local_shape, dtype=self._dtype, device=self._device)
+            present[name] = self._local_sum(name, sums[name])
+        counts.copy_(torch.tensor([*(float(present[n]) for n in self._shared), len(self._flagged)]))
+        if self._shared:
+            dist.all_reduce(flat, group=self.group)
+        *shared_counts, flagged = counts.tolist()
+        present.update(
+            (name, count > 0) for name, count in zip(self._shared, shared_counts, strict=True)
+        )
+        if flagged > 0:
+            raise RuntimeError(
+                "PipelineTie.reduce_grads() found a gradient accumulated onto the sum that the "
+                "previous call wrote, on a copy that FSDP2 adds into without the tie seeing it: "
+                "summing again would count the earlier backward passes twice. Call "
+                "optimizer.zero_grad() after each optimizer step, and when accumulating over "
+                "several schedule steps under FSDP2, call reduce_grads() once, after the last"
+            )
+        for name, total in sums.items():
+            if not present[name]:
+                continue  # frozen, or unused this step: every copy keeps None
+            for index, module in enumerate(self._copies[name]):
+                weight = _weight(module)
+                if weight.grad is None:
+                    weight.grad = _like(weight, total.to(_local(weight).dtype, copy=True))
+                else:
+                    _local(weight.grad).copy_(total)
+                self._written[name, index] = _Mark(weight.grad)
+                self._hook((name, index), weight)
+
+    def _hook(self, key: tuple[str, int], weight: nn.Parameter) -> None:
+        """Watch backward passes into ``weight``, once per Parameter object."""
+        hooked = self._hooked.get(key)
+        if (hooked is not None and hooked() is weight) or not weight.requires_grad:
+            return
+        before = functools.partial(self._before_accumulation, key, weight)
+        after = functools.partial(self._after_accumulation, key)
+        weight.register_hook(before)  # type: ignore[no-untyped-call]
+        weight.register_post_accumulate_grad_hook(after)  # type: ignore[no-untyped-call]
+        self._hooked[key] = weakref.ref(weight)
+
+    def _before_accumulation(
+        self, key: tuple[str, int], weight: nn.Parameter, _incoming: torch.Tensor
+    ) -> None:
+        """Before autograd adds into the gradient this tie wrote: keep its sum on one copy."""
+        written = self._written.pop(key, None)
+        if written is None or not written.holds(weight.grad):
+            return
+        if not self._is_primary(key):
+            with torch.no_grad():
+                weight.grad.zero_()  # type: ignore[union-attr] # held by written
+
+    def _after_accumulation(self, key: tuple[str, int], weight: torch.Tensor) -> None:
+        """After a gradient was added in without the hook above, as FSDP2 does."""
+        written = self._written.pop(key, None)
+        if written is None or not written.holds(weight.grad) or self._is_primary(key):
+            return
+        if written.unchanged(weight.grad):  # not zeroed since reduce_grads() wrote it
+            self._flagged[key] = _Mark(weight.grad)  # type: ignore[arg-type] # held by written
 
     def duplicates(self) -> Iterator[nn.Parameter]:
-        """The copies not counted in a norm over the pipeline: all but group rank 0's first."""
-        first = dist.get_rank(self.group) == 0
+        """The copies not counted in a norm over the pipeline: all but the first stage's."""
         for name in self.names:
-            copies = self._copies[name]
-            for module in copies[1:] if first else copies:
-                yield _weight(module)
+            for index, module in enumerate(self._copies[name]):
+                if not self._is_primary((name, index)):
+                    yield _weight(module)
 
     @torch.no_grad()
     def check(self) -> None:
         """Verify that every copy equals the first stage's, or name the first difference.
 
-        Each rank compares its copies (its local shards under FSDP2) with group rank 0's
-        first copy, broadcast to it; every rank raises the same error.
+        Each rank compares its copies (its local shards under FSDP2) with the first copy of
+        the first group rank holding one, broadcast to it; every rank raises the same error.
 
         Raises:
             RuntimeError: If a copy differs, naming the tied module, the group rank, the
                 copy, the first differing element and both values.
         """
-        rank = dist.get_rank(self.group)
         found: str | None = None
         for name in self.names:
-            first, *others = self._weights(name)
-            reference = first.clone()
-            if dist.get_world_size(self.group) > 1:
-                dist.broadcast(reference, group=self.group, group_src=0)
-            for index, copy in enumerate([first, *others]):
+            weights = self._weights(name)
+            reference = self._source(name, weights[0].clone() if weights else None)
+            for index, copy in enumerate(weights):
                 if found is None:
-                    found = _first_difference(name, rank, index, copy, reference)
-        problems: list[str | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(problems, found, group=self.group)
-        for problem in problems:
+                    found = _first_difference(
+                        name,
+                        (self._rank, self._holders[name][0]),
+                        index,
+                        copy,
+                        reference,  # type: ignore[arg-type] # weights[0] or its broadcast
+                    )
+        for problem in _gather(found, self.group):
             if problem is not None:
                 raise RuntimeError(problem)
 
@@ -223,9 +360,11 @@ class PipelineTie:
 
 
 def pipeline_clip_grad_norm_(
-    parameters: Iterable[torch.Tensor],
+    parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
     norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
     *,
     group: dist.ProcessGroup | DeviceMesh | None = None,
     tie: PipelineTie | None = None,
@@ -233,34 +372,40 @@ def pipeline_clip_grad_norm_(
     """Clip the gradients of a pipeline's stages by their total norm, counting a tie once.
 
     The total norm is the one ``torch.nn.utils.clip_grad_norm_`` gives for the whole model
-    in one process: each rank takes the norm of its stages' gradients (the full gradients
-    of DTensor parameters, as ``clip_grad_norm_`` does), leaving out the duplicate copies of
-    ``tie`` (``PipelineTie.duplicates()``), and the ranks of the pipeline combine theirs.
-    Call it after ``PipelineTie.reduce_grads()``, on every rank of the pipeline, including
-    the stages without a copy (they pass ``tie=None``).
+    in one process: each rank takes the norm of its stages' gradients, as
+    ``toolkit.nn.clip_grad_norm_`` does (DTensors on any meshes), leaving out the
+    duplicate copies of ``tie`` (``PipelineTie.duplicates()``), and the ranks of the
+    pipeline combine theirs in float32 (float64 for float64 gradients). Call it after
+    ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
 
     Args:
-        parameters: This rank's parameters, of every stage it holds.
+        parameters: This rank's parameters, of every stage it holds: a tensor or an
+            iterable of tensors.
         max_norm: The largest total norm allowed.
         norm_type: The p of the p-norm; ``inf`` for the largest absolute value.
+        error_if_nonfinite: Raise if the total norm is ``nan``, ``inf`` or ``-inf``.
+        foreach: Use the foreach kernels (``None``: where the device supports them).
         group: The process group of one pipeline (every stage, in any order), or a 1-D
-            DeviceMesh of it. The default is the default process group.
-        tie: The PipelineTie of this rank, if it holds a copy of a tied module.
+            DeviceMesh of it, such as ``mesh["pp"]``. It wins over ``tie``'s group.
+        tie: This rank's PipelineTie. Without ``group``, its group is the pipeline's:
+            build the tie with the whole pipeline's group, or pass ``group``.
 
     Returns:
-        The total norm of the gradients, before clipping.
+        The total norm of the gradients, before clipping, the same on every rank.
+
+    Raises:
+        ValueError: If neither ``group`` nor ``tie`` is given and the default process group
+            has more than one rank, which is the pipeline only without other parallelism.
+        RuntimeError: If ``error_if_nonfinite`` is set and the total norm is not finite, on
+            every rank of the pipeline; no gradient is changed.
 
     Added in version v3.58.0.
     """
-    params = [p for p in parameters if p.grad is not None]
+    pipeline = _pipeline_group(group, tie)
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     skipped = {id(p) for p in tie.duplicates()} if tie is not None else set()
-    grads = [p.grad for p in params if id(p) not in skipped and p.grad is not None]
-    # Without gradients the norm is tensor(0.0), as for clip_grad_norm_.
-    local = torch.nn.utils.get_total_norm(grads, norm_type)
-    if _is_dtensor(local):
-        local = local.full_tensor()  # type: ignore[attr-defined]
-    total = local.detach().to(torch.float32).clone()
-    pipeline = _process_group(group)
+    local = _total_norm(_by_layout(p for p in params if id(p) not in skipped), norm_type, foreach)
+    total = local.to(torch.promote_types(local.dtype, torch.float32))
     if dist.get_world_size(pipeline) == 1:
         pass  # one rank holds the whole pipeline: its norm is the total
     elif math.isinf(norm_type):
@@ -269,8 +414,27 @@ def pipeline_clip_grad_norm_(
         total.pow_(norm_type)
         dist.all_reduce(total, group=pipeline)
         total.pow_(1.0 / norm_type)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    _check_finite(total, norm_type, error_if_nonfinite)
+    _clip_with_norm(_by_layout(params), max_norm, total, foreach)
     return total
+
+
+def _pipeline_group(
+    group: dist.ProcessGroup | DeviceMesh | None, tie: PipelineTie | None
+) -> dist.ProcessGroup:
+    if group is not None:
+        return _process_group(group)
+    if tie is not None:
+        return tie.group
+    size = dist.get_world_size()
+    if size > 1:
+        raise ValueError(
+            "pipeline_clip_grad_norm_ needs the pipeline's process group: the default group "
+            f"has {size} ranks, which are one pipeline only without data or tensor "
+            'parallelism. Pass group=, such as group=mesh["pp"] (or group=dist.group.WORLD '
+            "when every rank is a stage of one pipeline), or the tie= built on that group"
+        )
+    return dist.group.WORLD  # type: ignore[return-value]
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -330,20 +494,48 @@ def _has_module(stage: nn.Module, name: str) -> bool:
     return True
 
 
+class _Layout(NamedTuple):
+    """A tied weight as one rank holds it: its global shape, its local shard, its dtype."""
+
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _Mark:
+    """A gradient tensor as it was when marked, without keeping it alive."""
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self._ref = weakref.ref(grad)
+        self._version = grad._version
+
+    def holds(self, grad: torch.Tensor | None) -> bool:
+        """Whether ``grad`` is the marked tensor, changed in place since or not."""
+        return grad is not None and self._ref() is grad
+
+    def unchanged(self, grad: torch.Tensor | None) -> bool:
+        """Whether ``grad`` is the marked tensor, and no in-place change bumped its version."""
+        return self.holds(grad) and grad._version == self._version  # type: ignore[union-attr]
+
+
+def _gather(obj: object, group: dist.ProcessGroup) -> list[Any]:
+    """``obj`` of every rank of ``group``, in group rank order."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def _shapes(layouts: dict[str, _Layout]) -> dict[str, tuple[int, ...]]:
+    return {name: layout.shape for name, layout in layouts.items()}
+
+
 def _copies_problem(
     stages: list[nn.Module], names: tuple[str, ...]
-) -> tuple[str | None, dict[str, tuple[int, ...]]]:
-    """The first problem with this rank's copies, and the global shape of each tied weight."""
-    shapes: dict[str, tuple[int, ...]] = {}
+) -> tuple[str | None, dict[str, _Layout]]:
+    """The first problem with this rank's copies, and the layout of each tied weight it holds."""
+    layouts: dict[str, _Layout] = {}
     for name in names:
         copies = [stage.get_submodule(name) for stage in stages if _has_module(stage, name)]
-        if not copies:
-            return (
-                f"none of its {len(stages)} stage(s) has a module '{name}', which the group "
-                "ties; keep the tied module registered under its name in the whole model in "
-                "every stage that holds a copy, and leave ranks without a copy out of the group",
-                {},
-            )
         for copy in copies:
             others = sorted(n for n, _ in copy.named_parameters() if n != "weight")
             if others:
@@ -361,15 +553,23 @@ def _copies_problem(
                     "weight, so tie to a module whose weight is a registered Parameter",
                     {},
                 )
-        shapes[name] = tuple(_weight(copies[0]).shape)
-        for copy in copies[1:]:
-            if tuple(_weight(copy).shape) != shapes[name]:
-                return (
-                    f"its copies of '{name}' differ in shape; build every stage from the same "
-                    "model",
-                    {},
-                )
-    return None, shapes
+        weights = [_weight(copy) for copy in copies]
+        if any(w.shape != weights[0].shape for w in weights[1:]):
+            return (
+                f"its copies of '{name}' differ in shape; build every stage from the same model",
+                {},
+            )
+        if weights:
+            local = _local(weights[0])
+            layouts[name] = _Layout(tuple(weights[0].shape), tuple(local.shape), local.dtype)
+    return None, layouts
+
+
+def _device(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """The device of the first of ``tensors``; the CPU if there is none."""
+    for tensor in tensors:
+        return tensor.device
+    return torch.device("cpu")
 
 
 def _weight(module: nn.Module) -> nn.Parameter:
@@ -401,16 +601,22 @@ def _like(weight: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 def _first_difference(
-    name: str, rank: int, index: int, copy: torch.Tensor, reference: torch.Tensor
+    name: str, ranks: tuple[int, int], index: int, copy: torch.Tensor, reference: torch.Tensor
 ) -> str | None:
+    """Where ``copy`` first differs from ``reference``, described, or None if nowhere.
+
+    ``copy`` is copy ``index`` on group rank ``ranks[0]``; ``reference`` the first copy on
+    group rank ``ranks[1]``.
+    """
     differs = (copy != reference).nonzero()
     if len(differs) == 0:
         return None
     at = tuple(int(i) for i in differs[0])
+    rank, source = ranks
     return (
         f"the copies of the tied weight '{name}.weight' differ: copy {index} on group rank "
-        f"{rank} has {copy[at].item()!r} at index {at}, where the first copy on group rank 0 "
-        f"has {reference[at].item()!r} ({len(differs)} of {copy.numel()} elements differ). "
-        "Call PipelineTie.reduce_grads() after every backward and before the optimizer step, "
-        "and broadcast() after loading a state dict other than with DCP"
+        f"{rank} has {copy[at].item()!r} at index {at}, where the first copy on group rank "
+        f"{source} has {reference[at].item()!r} ({len(differs)} of {copy.numel()} elements "
+        "differ). Call PipelineTie.reduce_grads() after every backward and before the "
+        "optimizer step, and broadcast() after loading a state dict other than with DCP"
     )
