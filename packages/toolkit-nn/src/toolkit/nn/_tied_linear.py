@@ -190,27 +190,33 @@ class TiedLinear:
         ignore_index: int = -100,
         reduction: str = "mean",
         label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        softcap: float | None = None,
         chunk_size: int | None = None,
     ) -> torch.Tensor:
         """The cross-entropy of ``self(x)`` against ``target``, without the full logits.
 
         Equal to ``F.cross_entropy(self(x), target, ...)`` over the flattened tokens, with
-        the logits widened to float32 for bfloat16 and float16 inputs, and its gradients,
-        but computed a chunk of tokens at a time: each chunk's logits are turned into its
-        loss and, when a gradient is needed, into its share of the gradients of ``x`` and
-        of the tied weight, in the forward pass, in two reused buffers (the logits and
-        their softmax). At most one chunk's logits exist at once, so a long sequence over
-        a large vocabulary needs a fraction of the plain path's memory, in the same matrix
-        products. Backward only scales the saved gradients. With no gradient needed
-        (``torch.no_grad()``, or neither ``x`` nor the weight requiring grad), only the
-        loss is computed.
+        the logits widened to float32 from bfloat16 and float16, and its gradients, but
+        computed a chunk of tokens at a time in two reused buffers (the logits and their
+        softmax): at most one chunk's logits exist at once, so a long sequence over a large
+        vocabulary needs a fraction of the plain path's memory, in the same matrix
+        products. For a mean or a sum the gradients of ``x`` and of the tied weight are
+        computed in the forward pass and only scaled by backward, in float32, so a float16
+        loss scale is applied before anything is rounded to float16. For
+        ``reduction="none"``, and for a backward that builds a graph
+        (``create_graph=True``, ``torch.func.grad``, ``jacrev``), backward recomputes the
+        chunks; second-order gradients are the plain path's. ``torch.func.vmap`` takes one
+        loss per entry; forward-mode AD is not supported. With no gradient needed, only
+        the loss is computed.
 
         The weight is read live, as by ``__call__``, and its gradient flows to
         ``tied_module``, so a tied embedding receives the sum of the lookup and head
-        gradients. Hooks on ``linear`` are not called: the logits they would see never
-        exist. bfloat16 and float16 inputs are multiplied in their dtype, like
-        ``self(x)``, and accumulated in float32; the loss is float32 for them and has the
-        input's dtype otherwise.
+        gradients. Hooks on ``linear`` are not called: the logits never exist. The
+        products run in the dtype ``self(x)`` runs them in, under autocast too, and
+        accumulate in float32 for bfloat16 and float16; the loss is float32 for them and
+        has the products' dtype otherwise. It compiles with ``torch.compile(fullgraph=True)``,
+        where an out-of-range target fails as an asynchronous assertion (RuntimeError).
 
         Under FSDP2 the weight must be unsharded when this runs: call it inside the
         forward of the unit that holds ``tied_module`` (such as the root), or register
@@ -222,22 +228,29 @@ class TiedLinear:
             target: Class indices of an integer dtype, with ``x``'s leading shape.
             ignore_index: Target value that is not counted, as in ``F.cross_entropy``.
             reduction: ``"mean"`` over the counted tokens (nan when none is counted, as
-                in ``F.cross_entropy``) or ``"sum"``.
+                in ``F.cross_entropy``), ``"sum"``, or ``"none"``: each token's loss, in
+                ``target``'s shape, 0 where ignored.
             label_smoothing: Amount of smoothing in [0.0, 1.0], as in
                 ``F.cross_entropy``.
+            z_loss: Adds ``z_loss * logsumexp(logits) ** 2`` per counted token, reduced
+                as the loss is (PaLM's z-loss); 0.0 for none.
+            softcap: Replaces the logits with ``softcap * tanh(logits / softcap)`` before
+                the softmax and the z-loss (Gemma 2's soft-cap); None for none.
             chunk_size: Tokens per chunk, or None to bound each chunk's logits to
                 64 MiB (at least 16 tokens), and their softmax to as much again;
                 smaller chunks use less memory.
 
         Returns:
-            The scalar loss.
+            The loss: a scalar, or per token for ``reduction="none"``.
 
         Raises:
-            ValueError: If ``reduction``, ``label_smoothing`` or ``chunk_size`` is
-                invalid, or the shapes of ``x``, ``target`` and the weight disagree.
+            ValueError: If ``reduction``, ``label_smoothing``, ``z_loss``, ``softcap`` or
+                ``chunk_size`` is invalid, or the shapes of ``x``, ``target`` and the
+                weight disagree.
             TypeError: If ``target`` is not an integer tensor, or ``x`` is not a
-                floating-point tensor of the weight's dtype.
-            IndexError: If a counted target is outside ``[0, out_features)``.
+                floating-point tensor of the weight's dtype (outside autocast).
+            IndexError: If a counted target is outside ``[0, out_features)`` (eagerly on
+                the CPU; elsewhere the check is asynchronous, as ``F.cross_entropy``'s).
             RuntimeError: If the weight is a DTensor (FSDP2 resharded it, or tensor
                 parallelism shards the vocabulary); the message names the fix.
 
@@ -253,6 +266,10 @@ class TiedLinear:
             >>> loss = head.cross_entropy(x, target, chunk_size=3)
             >>> torch.allclose(loss, F.cross_entropy(head(x), target))
             True
+            >>> capped = 30.0 * torch.tanh(head(x) / 30.0)
+            >>> per_token = head.cross_entropy(x, target, reduction="none", softcap=30.0)
+            >>> torch.allclose(per_token, F.cross_entropy(capped, target, reduction="none"))
+            True
         """
         weight: torch.Tensor = self.tied_module.weight  # type: ignore[assignment]
         if _is_dtensor(weight):
@@ -264,6 +281,8 @@ class TiedLinear:
             ignore_index=ignore_index,
             reduction=reduction,
             label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            softcap=softcap,
             chunk_size=chunk_size,
         )
 
