@@ -21,12 +21,15 @@ computed.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch.autograd.function import FunctionCtx
 
-__all__ = ["linear_cross_entropy"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["VocabShard", "linear_cross_entropy"]
 
 # ``chunk_size=None`` bounds the chunk's logits buffer, and its softmax's, to this many bytes
 # (and takes at least ``_MIN_CHUNK`` tokens, so that the matrix products stay efficient).
@@ -65,6 +68,73 @@ class _Options(NamedTuple):
     softcap: float | None
     chunk_size: int
     mm_dtype: torch.dtype
+    shard: VocabShard | None = None
+
+
+class VocabShard(NamedTuple):
+    """This rank's rows of a weight sharded on the vocabulary, and the group that has them all.
+
+    The rows are ``[offset, offset + rows)`` of a vocabulary of ``vocab``; the ranks of
+    ``group`` hold the others, and every rank has the whole input and targets.
+    """
+
+    group: ProcessGroup
+    offset: int
+    vocab: int
+
+
+def _all_reduce(tensor: torch.Tensor, shard: VocabShard, op: str = "sum") -> torch.Tensor:
+    """``tensor`` reduced in place over the shard's group: a sum or a max."""
+    dist = torch.distributed
+    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    dist.all_reduce(tensor, op=reduce_op, group=shard.group)
+    return tensor
+
+
+class _Statistics(NamedTuple):
+    """Per row: the logsumexp, target logit and sum of the logits, over the whole vocabulary.
+
+    With this rank's part of the softmax, and the target's column among this rank's columns
+    (0 where another rank has it) with whether this rank has it.
+    """
+
+    lse: torch.Tensor
+    target_logit: torch.Tensor
+    total: torch.Tensor
+    probs: torch.Tensor
+    column: torch.Tensor
+    here: torch.Tensor
+
+
+def _statistics(
+    z: torch.Tensor, probs: torch.Tensor | None, index: torch.Tensor, o: _Options
+) -> _Statistics:
+    """The per-row statistics of the (soft-capped) logits ``z``, over the whole vocabulary."""
+    inplace = probs is not None
+    if o.shard is None:
+        top = z.argmax(1, keepdim=True)
+        p = torch.softmax(z, 1, out=probs) if probs is not None else torch.softmax(z, 1)
+        # logsumexp(z) = z[top] - log p[top]: the largest probability is at least 1 / V, so
+        # its logarithm neither underflows nor loses precision.
+        lse = (z.gather(1, top) - p.gather(1, top).log()).squeeze(1)
+        total = z.sum(1) if o.label_smoothing else lse
+        here = torch.ones_like(index, dtype=torch.bool)
+        return _Statistics(lse, z.gather(1, index).squeeze(1), total, p, index, here)
+    # This rank has columns [offset, offset + rows) of the logits: only per-row statistics
+    # cross the group, a max, then the sum of exponentials, the target logit and the sum.
+    rows = z.shape[1]
+    peak = z.amax(1) if rows else z.new_full((z.shape[0],), -math.inf)
+    peak = _all_reduce(peak.detach().clone(), o.shard, "max").unsqueeze(1)
+    p = torch.sub(z, peak, out=probs).exp_() if probs is not None else torch.exp(z - peak)
+    local = index - o.shard.offset
+    here = (local >= 0) & (local < rows)
+    column = torch.where(here, local, 0)
+    target_logit = z.gather(1, column) if rows else z.new_zeros(index.shape)
+    sums = torch.stack([p.sum(1), torch.where(here, target_logit, 0.0).squeeze(1), z.sum(1)])
+    sums = _all_reduce(sums, o.shard)
+    p = p.div_(sums[0].unsqueeze(1)) if inplace else p / sums[0].unsqueeze(1)
+    lse = peak.squeeze(1) + sums[0].log()
+    return _Statistics(lse, sums[1], sums[2], p, column, here)
 
 
 def _product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -180,20 +250,17 @@ def _row_losses(
     ``z`` and ``probs``, and the gradient is ``probs``; without, out of place, so that
     autograd can differentiate it again.
     """
-    vocab = z.shape[1]
+    vocab = z.shape[1] if o.shard is None else o.shard.vocab
     eps, cap = o.label_smoothing, o.softcap
     inplace = probs is not None
     if cap is not None:  # Gemma 2's soft-cap: cap * tanh(z / cap), before the softmax
         z = z.div_(cap).tanh_().mul_(cap) if inplace else torch.tanh(z / cap) * cap
-    top = z.argmax(1, keepdim=True)
-    p = torch.softmax(z, 1, out=probs) if probs is not None else torch.softmax(z, 1)
-    # logsumexp(z) = z[top] - log p[top]: the largest probability is at least 1 / V, so its
-    # logarithm neither underflows nor loses precision.
-    lse = (z.gather(1, top) - p.gather(1, top).log()).squeeze(1)
+    stats = _statistics(z, probs, index, o)
+    lse, p = stats.lse, stats.probs
     # lse - (1 - eps) * z_target - eps * mean(z): F.cross_entropy's label smoothing.
-    row = lse - (1.0 - eps) * z.gather(1, index).squeeze(1)
+    row = lse - (1.0 - eps) * stats.target_logit
     if eps:
-        row = row - eps / vocab * z.sum(1)
+        row = row - eps / vocab * stats.total
     if o.z_loss:
         row = row + o.z_loss * lse.square()
     row = torch.where(keep, row, 0.0)
@@ -206,8 +273,9 @@ def _row_losses(
     if eps:
         shift = (counted * (eps / vocab)).unsqueeze(1)
         grad = grad.sub_(shift) if inplace else grad - shift
-    onehot = (-(1.0 - eps) * counted).unsqueeze(1)
-    grad = grad.scatter_add_(1, index, onehot) if inplace else grad.scatter_add(1, index, onehot)
+    onehot = -(1.0 - eps) * counted.unsqueeze(1) * stats.here
+    column = stats.column
+    grad = grad.scatter_add_(1, column, onehot) if inplace else grad.scatter_add(1, column, onehot)
     if cap is not None:  # through the soft-cap: d/dz cap * tanh(z / cap) = 1 - (z_capped / cap)^2
         slope = z.div_(cap).square_().neg_().add_(1.0) if inplace else 1.0 - (z / cap).square()
         grad = grad.mul_(slope) if inplace else grad * slope
@@ -322,7 +390,11 @@ def _chunks(
             grad = grad.mul_(factor) if grads.inplace else grad * factor
         grads.add(start, grad, x_c, w_mm)
     loss = torch.cat(losses) if losses else x.new_zeros((0,), dtype=acc)
-    return loss, grads.x(), grads.weight
+    grad_x = grads.x()
+    if o.shard is not None and grad_x is not None:
+        # Each rank's columns give a part of x's gradient: the whole is their sum.
+        grad_x = _all_reduce(grad_x, o.shard)
+    return loss, grad_x, grads.weight
 
 
 def _reduce(rows: torch.Tensor, target: torch.Tensor, o: _Options) -> torch.Tensor:
@@ -370,7 +442,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_w: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Checked here, where under torch.func.vmap each entry's targets are a plain tensor.
-        _check_targets(target, weight.shape[0], o.ignore_index)
+        _check_targets(
+            target, weight.shape[0] if o.shard is None else o.shard.vocab, o.ignore_index
+        )
         flat_target = target.reshape(-1)
         save = o.reduction != "none"
         rows, grad_x, grad_w = _chunks(
@@ -416,6 +490,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return _scale_saved(ctx, grad_loss, needs_x, needs_w)
         # Recompute: each token's incoming gradient is known only now (reduction "none"),
         # or the gradients must themselves be differentiable (create_graph, torch.func).
+        if o.shard is not None and torch.is_grad_enabled():
+            raise RuntimeError(
+                "TiedLinear.cross_entropy on a vocabulary-sharded weight does not support a "
+                "backward that builds a graph (create_graph=True, torch.func); compute the "
+                "logits with head(x) and take F.cross_entropy of them inside "
+                "torch.distributed.tensor.parallel.loss_parallel()"
+            )
         x, weight, target = ctx.saved_tensors[:3]
         flat_target = target.reshape(-1)
         keep = flat_target != o.ignore_index
@@ -514,8 +595,12 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     chunk_size: int | None = None,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy`` of ``F.linear(x, weight)``, plus the z-loss, without the logits.
+
+    With ``shard``, ``weight`` is this rank's rows of the vocabulary and the loss and x's
+    gradient are those of the whole vocabulary, reduced over the shard's group.
 
     The logits are widened to float32 from bfloat16 and float16, and soft-capped. The loss
     has the accumulation dtype: float32 when the products run in bfloat16 or float16,
@@ -537,6 +622,7 @@ def linear_cross_entropy(
         None if softcap is None else float(softcap),
         chunk,
         mm,
+        shard,
     )
     grad = torch.is_grad_enabled()
     with torch.autocast(x.device.type, enabled=False):

@@ -6,12 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.nn._cross_entropy import linear_cross_entropy
+from toolkit.nn._cross_entropy import VocabShard, linear_cross_entropy
 from toolkit.nn._tied_linear_diagnosis import (
     _describe,
     _dtensor_cross_entropy_error,
     _explain_failure,
     _is_dtensor,
+    _resharded_by_fsdp,
 )
 
 __all__ = ["TiedLinear"]
@@ -221,7 +222,11 @@ class TiedLinear:
         Under FSDP2 the weight must be unsharded when this runs: call it inside the
         forward of the unit that holds ``tied_module`` (such as the root), or register
         the method that calls it with
-        ``torch.distributed.fsdp.register_fsdp_forward_method``.
+        ``torch.distributed.fsdp.register_fsdp_forward_method``. Under tensor parallelism,
+        with the weight sharded on the vocabulary (``Shard(0)`` on a 1-D mesh, as
+        ``RowwiseParallel`` shards an embedding), each rank takes the logits of its own
+        rows and the ranks exchange only per-token statistics and x's gradient; ``x`` must
+        be the whole input on every rank (a DTensor is gathered first).
 
         Args:
             x: Input of shape (..., in_features).
@@ -251,8 +256,9 @@ class TiedLinear:
                 floating-point tensor of the weight's dtype (outside autocast).
             IndexError: If a counted target is outside ``[0, out_features)`` (eagerly on
                 the CPU; elsewhere the check is asynchronous, as ``F.cross_entropy``'s).
-            RuntimeError: If the weight is a DTensor (FSDP2 resharded it, or tensor
-                parallelism shards the vocabulary); the message names the fix.
+            RuntimeError: If the weight is a DTensor that FSDP2 resharded, or that is
+                sharded other than on the vocabulary of a 1-D mesh; the message names the
+                fix.
 
         Added in version v3.58.0.
 
@@ -272,12 +278,18 @@ class TiedLinear:
             True
         """
         weight: torch.Tensor = self.tied_module.weight  # type: ignore[assignment]
+        shard = None
         if _is_dtensor(weight):
-            raise _dtensor_cross_entropy_error(self, weight)
+            shard = _vocab_shard(weight)
+            if shard is None or _resharded_by_fsdp(self.tied_module, weight):
+                raise _dtensor_cross_entropy_error(self, weight)
+            weight = weight.to_local()  # type: ignore[attr-defined] # a DTensor here
+            x = _whole_input(x)
         return linear_cross_entropy(
             x,
             weight,
             target,
+            shard=shard,
             ignore_index=ignore_index,
             reduction=reduction,
             label_smoothing=label_smoothing,
@@ -285,6 +297,32 @@ class TiedLinear:
             softcap=softcap,
             chunk_size=chunk_size,
         )
+
+
+def _vocab_shard(weight: torch.Tensor) -> VocabShard | None:
+    """This rank's part of a weight sharded on the vocabulary on a 1-D mesh, or None.
+
+    ``Shard(0)`` is how ``RowwiseParallel`` shards an embedding; any other placement gives None.
+    """
+    from torch.distributed.tensor import Shard  # noqa: PLC0415 - needs distributed
+
+    mesh, placements = weight.device_mesh, tuple(weight.placements)  # type: ignore[attr-defined]
+    if mesh.ndim != 1 or placements != (Shard(0),):
+        return None
+    # Shard(0) splits as torch.chunk does: ceil(V / n) rows a rank, the last ranks fewer.
+    vocab = weight.shape[0]
+    per_rank = -(-vocab // mesh.size())
+    return VocabShard(mesh.get_group(), min(mesh.get_local_rank() * per_rank, vocab), vocab)
+
+
+def _whole_input(x: torch.Tensor) -> torch.Tensor:
+    """The whole input on this rank: a DTensor (sharded on the sequence, say) is gathered."""
+    if not _is_dtensor(x):
+        return x
+    from torch.distributed.tensor import Replicate  # noqa: PLC0415 - needs distributed
+
+    ndim = x.device_mesh.ndim  # type: ignore[attr-defined] # a DTensor here
+    return x.redistribute(placements=[Replicate()] * ndim).to_local()  # type: ignore[attr-defined,no-any-return]
 
 
 def _missing_weight_error(tied_module: object) -> AttributeError:

@@ -1,0 +1,165 @@
+"""TiedLinear.cross_entropy on a vocabulary-sharded weight, on two ranks of one process.
+
+The tied embedding is sharded on the vocabulary by ``RowwiseParallel`` (``Shard(0)``) on a 1-D
+tensor-parallel mesh; a vocabulary of 17 splits unevenly, 9 rows and 8. Each rank computes the
+loss from its own rows, and every result (loss, the input's gradient, the whole weight's
+gradient) is compared with the same loss in one process on the whole weight. The targets fall
+in both ranks' rows, and some are ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+from tests.nn.threads import RankError, run_ranks
+from toolkit.nn import TiedLinear
+
+VOCAB, DIM, WORLD = 17, 8, 2
+OPTIONS: list[dict[str, Any]] = [
+    {"reduction": "mean"},
+    {"reduction": "sum", "label_smoothing": 0.2, "chunk_size": 3},
+    {"reduction": "none", "z_loss": 0.05, "softcap": 4.0, "chunk_size": 4},
+    {"reduction": "mean", "label_smoothing": 0.1, "z_loss": 0.01, "softcap": 2.0},
+]
+
+
+class _Case:
+    """The embedding, input, targets and incoming gradient, drawn in the calling thread."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, DIM, dtype=dtype)
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.randn(VOCAB, DIM, generator=generator))
+        self.x = torch.randn(2, 5, DIM, generator=generator).to(dtype)
+        self.target = torch.randint(0, VOCAB, (2, 5), generator=generator)
+        self.target[0, :4] = torch.tensor([0, 8, 9, 16])  # both ends of both ranks' rows
+        self.target[1, 1] = -100
+        self.upstream = torch.randn(2, 5, generator=generator)
+
+    def grad_of(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.upstream if loss.dim() else torch.tensor(1.0)
+
+    def reference(self, **options: Any) -> list[torch.Tensor]:
+        """The loss and gradients in one process, from the logits of the whole weight."""
+        weight = self.emb.weight.detach().clone().requires_grad_()
+        x = self.x.clone().requires_grad_()
+        logits = F.linear(x, weight).float()
+        if (cap := options.get("softcap")) is not None:
+            logits = cap * torch.tanh(logits / cap)
+        reduction = options.get("reduction", "mean")
+        loss = F.cross_entropy(
+            logits.transpose(1, 2),
+            self.target,
+            reduction=reduction,
+            label_smoothing=options.get("label_smoothing", 0.0),
+        )
+        counted = self.target != -100
+        extra = torch.where(counted, torch.logsumexp(logits, -1).square(), 0.0)
+        extra = extra * options.get("z_loss", 0.0)
+        if reduction == "none":
+            loss = loss + extra
+        else:
+            loss = loss + (extra.sum() / counted.sum() if reduction == "mean" else extra.sum())
+        loss.backward(self.grad_of(loss))
+        assert x.grad is not None
+        assert weight.grad is not None
+        return [loss.detach(), x.grad, weight.grad]
+
+    def sharded_head(self) -> TiedLinear:
+        """This rank's head, its embedding sharded on the vocabulary."""
+        mesh = init_device_mesh("cpu", (WORLD,))
+        emb = copy.deepcopy(self.emb)
+        parallelize_module(emb, mesh, RowwiseParallel(input_layouts=Replicate()))
+        return TiedLinear(emb)
+
+    def on_rank(self, x_placement: Shard | None = None, **options: Any) -> list[torch.Tensor]:
+        """This rank's loss and gradients, the input whole or a DTensor ``x_placement``."""
+        head = self.sharded_head()
+        x = self.x.clone().requires_grad_()
+        given: torch.Tensor = x
+        if x_placement is not None:
+            given = DTensor.from_local(
+                x.chunk(WORLD, dim=x_placement.dim)[torch.distributed.get_rank()],
+                head.weight.device_mesh,  # type: ignore[attr-defined]
+                [x_placement],
+                shape=x.shape,
+                stride=x.stride(),
+            )
+        loss = head.cross_entropy(given, self.target, **options)
+        loss.backward(self.grad_of(loss))
+        assert x.grad is not None
+        assert isinstance(head.weight.grad, DTensor)
+        assert head.weight.grad.placements == (Shard(0),)
+        return [loss.detach(), x.grad, head.weight.grad.full_tensor()]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_the_loss_and_gradients_on_a_vocabulary_shard_are_those_of_one_process(
+    options: dict[str, Any],
+) -> None:
+    case = _Case()
+    expected = case.reference(**options)
+    for result in run_ranks(WORLD, lambda rank: case.on_rank(**options)):
+        for actual, wanted in zip(result, expected, strict=True):
+            torch.testing.assert_close(actual, wanted)
+
+
+def test_an_input_sharded_on_the_sequence_is_gathered_first() -> None:
+    """Under sequence parallelism the head's input is a DTensor sharded on the sequence; its
+    gradient comes back as the DTensor's, to this rank's part of the input."""
+    case = _Case()
+    expected = case.reference(reduction="sum")
+    for rank, result in enumerate(
+        run_ranks(WORLD, lambda rank: case.on_rank(Shard(1), reduction="sum"))
+    ):
+        torch.testing.assert_close(result[0], expected[0])
+        part = slice(0, 3) if rank == 0 else slice(3, 5)
+        torch.testing.assert_close(result[1][:, part], expected[1][:, part])
+        torch.testing.assert_close(result[2], expected[2])
+
+
+def test_bfloat16_on_a_vocabulary_shard_matches_one_process() -> None:
+    case = _Case(torch.bfloat16)
+    options = {"label_smoothing": 0.1, "z_loss": 0.01}
+    expected = case.reference(**options)
+    for result in run_ranks(WORLD, lambda rank: case.on_rank(**options)):
+        for actual, wanted in zip(result, expected, strict=True):
+            torch.testing.assert_close(actual, wanted, rtol=2e-2, atol=2e-2)
+
+
+def test_a_target_outside_the_whole_vocabulary_is_refused_on_every_rank() -> None:
+    case = _Case()
+    case.target[0, 0] = VOCAB
+
+    def rank_main(rank: int) -> None:
+        case.sharded_head().cross_entropy(case.x, case.target)
+
+    with pytest.raises(RankError) as info:
+        run_ranks(WORLD, rank_main)
+    assert type(info.value.__cause__) is IndexError
+    assert f"vocabulary of {VOCAB}" in str(info.value.__cause__)
+
+
+def test_a_backward_that_builds_a_graph_is_refused_on_every_rank() -> None:
+    case = _Case()
+
+    def rank_main(rank: int) -> str:
+        x = case.x.clone().requires_grad_()
+        loss = case.sharded_head().cross_entropy(x, case.target)
+        with pytest.raises(RuntimeError) as info:
+            torch.autograd.grad(loss, x, create_graph=True)
+        return str(info.value)
+
+    for message in run_ranks(WORLD, rank_main):
+        assert "create_graph=True" in message
+        assert "loss_parallel()" in message
