@@ -163,3 +163,36 @@ def test_a_backward_that_builds_a_graph_is_refused_on_every_rank() -> None:
     for message in run_ranks(WORLD, rank_main):
         assert "create_graph=True" in message
         assert "loss_parallel()" in message
+
+
+def test_a_rank_without_rows_of_the_vocabulary_still_takes_part() -> None:
+    """A vocabulary of 4 on 3 ranks: 2 rows, 2 rows and none."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(4, DIM, generator=generator)
+    x = torch.randn(5, DIM, generator=generator)
+    target = torch.tensor([0, 3, -100, 1, 2])
+    options: dict[str, Any] = {"label_smoothing": 0.1, "z_loss": 0.01, "chunk_size": 2}
+    x_ref, w_ref = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits = F.linear(x_ref, w_ref)
+    expected = F.cross_entropy(logits, target, label_smoothing=0.1) + 0.01 * (
+        torch.logsumexp(logits, 1)[target != -100].square().mean()
+    )
+    expected.backward()
+
+    def rank_main(rank: int) -> list[torch.Tensor]:
+        mesh = init_device_mesh("cpu", (3,))
+        emb = nn.Embedding(4, DIM)
+        with torch.no_grad():
+            emb.weight.copy_(weight)
+        parallelize_module(emb, mesh, RowwiseParallel(input_layouts=Replicate()))
+        assert emb.weight.to_local().shape[0] == (2, 2, 0)[rank]
+        x_rank = x.clone().requires_grad_()
+        loss = TiedLinear(emb).cross_entropy(x_rank, target, **options)
+        loss.backward()
+        assert x_rank.grad is not None
+        assert isinstance(emb.weight.grad, DTensor)
+        return [loss.detach(), x_rank.grad, emb.weight.grad.full_tensor()]
+
+    for result in run_ranks(3, rank_main):
+        for actual, wanted in zip(result, [expected.detach(), x_ref.grad, w_ref.grad], strict=True):
+            torch.testing.assert_close(actual, wanted)

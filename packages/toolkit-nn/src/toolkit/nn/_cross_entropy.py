@@ -124,7 +124,7 @@ def _statistics(
     # cross the group, a max, then the sum of exponentials, the target logit and the sum.
     rows = z.shape[1]
     peak = z.amax(1) if rows else z.new_full((z.shape[0],), -math.inf)
-    peak = _all_reduce(peak.detach().clone(), o.shard, "max").unsqueeze(1)
+    peak = _all_reduce(peak, o.shard, "max").unsqueeze(1)
     p = torch.sub(z, peak, out=probs).exp_() if probs is not None else torch.exp(z - peak)
     local = index - o.shard.offset
     here = (local >= 0) & (local < rows)
@@ -275,7 +275,10 @@ def _row_losses(
         grad = grad.sub_(shift) if inplace else grad - shift
     onehot = -(1.0 - eps) * counted.unsqueeze(1) * stats.here
     column = stats.column
-    grad = grad.scatter_add_(1, column, onehot) if inplace else grad.scatter_add(1, column, onehot)
+    if grad.shape[1]:  # a rank may hold no rows of a sharded vocabulary
+        grad = (
+            grad.scatter_add_(1, column, onehot) if inplace else grad.scatter_add(1, column, onehot)
+        )
     if cap is not None:  # through the soft-cap: d/dz cap * tanh(z / cap) = 1 - (z_capped / cap)^2
         slope = z.div_(cap).square_().neg_().add_(1.0) if inplace else 1.0 - (z / cap).square()
         grad = grad.mul_(slope) if inplace else grad * slope
