@@ -196,3 +196,38 @@ def test_a_rank_without_rows_of_the_vocabulary_still_takes_part() -> None:
     for result in run_ranks(3, rank_main):
         for actual, wanted in zip(result, [expected.detach(), x_ref.grad, w_ref.grad], strict=True):
             torch.testing.assert_close(actual, wanted)
+
+
+def test_on_a_dp_by_tp_mesh_only_the_tensor_parallel_group_is_reduced() -> None:
+    """4 ranks as 2 data-parallel replicas x 2 tensor-parallel ranks: each replica has its own
+    batch, so a statistic reduced over all 4 ranks instead of its 2 would be wrong. The
+    logits are in the hundreds, where only the largest logit keeps the exponentials finite."""
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(VOCAB, DIM, generator=generator) * 30.0
+    xs = torch.randn(2, 6, DIM, generator=generator)
+    targets = torch.randint(0, VOCAB, (2, 6), generator=generator)
+    expected = []
+    for batch, target in zip(xs, targets, strict=True):
+        x, w = batch.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = F.cross_entropy(F.linear(x, w), target, label_smoothing=0.1)
+        loss.backward()
+        expected.append([loss.detach(), x.grad, w.grad])
+
+    def rank_main(rank: int) -> list[torch.Tensor]:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        replica = mesh.get_local_rank("dp")
+        emb = nn.Embedding(VOCAB, DIM)
+        with torch.no_grad():
+            emb.weight.copy_(weight)
+        parallelize_module(emb, mesh["tp"], RowwiseParallel(input_layouts=Replicate()))
+        x = xs[replica].clone().requires_grad_()
+        loss = TiedLinear(emb).cross_entropy(x, targets[replica], label_smoothing=0.1)
+        loss.backward()
+        assert x.grad is not None
+        assert isinstance(emb.weight.grad, DTensor)
+        return [loss.detach(), x.grad, emb.weight.grad.full_tensor()]
+
+    for rank, result in enumerate(run_ranks(4, rank_main)):
+        assert bool(result[0].isfinite())
+        for actual, wanted in zip(result, expected[rank // 2], strict=True):
+            torch.testing.assert_close(actual, wanted, rtol=1e-4, atol=1e-4)

@@ -298,9 +298,18 @@ def test_cross_entropy_on_a_weight_sharded_on_its_width_names_the_placements_and
     with pytest.raises(RankError) as info:
         run_ranks(WORLD, rank_main)
     assert type(info.value.__cause__) is RuntimeError
-    message = str(info.value.__cause__)
-    assert "Embedding(17, 8)" in message
-    assert "(Shard(dim=1),)" in message
-    assert "Shard(0)" in message
-    assert "RowwiseParallel" in message
-    assert "loss_parallel()" in message
+    message = " ".join(str(info.value.__cause__).split())
+    # The module, the placements, what is supported, and each fix, in full.
+    for fact in (
+        "TiedLinear.cross_entropy cannot use the weight of the tied module Embedding(17, 8)",
+        "a DTensor with placements (Shard(dim=1),), and the chunked loss needs the whole "
+        "vocabulary on every rank, or the vocabulary sharded by tensor parallelism on a 1-D "
+        "mesh (Shard(0)).",
+        "Under FSDP2, call cross_entropy inside the forward of the unit that holds the tied "
+        "module, or register the method that calls it with "
+        "torch.distributed.fsdp.register_fsdp_forward_method(model, 'method_name').",
+        "Under tensor parallelism, shard the tied module on the vocabulary (RowwiseParallel on "
+        "an embedding) on the tensor-parallel mesh, or compute the logits with head(x) and take "
+        "F.cross_entropy of them inside torch.distributed.tensor.parallel.loss_parallel().",
+    ):
+        assert fact in message

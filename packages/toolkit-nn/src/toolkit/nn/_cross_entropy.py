@@ -20,6 +20,7 @@ computed.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -83,11 +84,11 @@ class VocabShard(NamedTuple):
     vocab: int
 
 
-def _all_reduce(tensor: torch.Tensor, shard: VocabShard, op: str = "sum") -> torch.Tensor:
-    """``tensor`` reduced in place over the shard's group: a sum or a max."""
-    dist = torch.distributed
-    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    dist.all_reduce(tensor, op=reduce_op, group=shard.group)
+def _all_reduce(
+    tensor: torch.Tensor, shard: VocabShard, op: torch.distributed.ReduceOp.RedOpType
+) -> torch.Tensor:
+    """``tensor`` reduced in place over the shard's group by ``op``, a ``ReduceOp``."""
+    torch.distributed.all_reduce(tensor, op=op, group=shard.group)
     return tensor
 
 
@@ -124,14 +125,14 @@ def _statistics(
     # cross the group, a max, then the sum of exponentials, the target logit and the sum.
     rows = z.shape[1]
     peak = z.amax(1) if rows else z.new_full((z.shape[0],), -math.inf)
-    peak = _all_reduce(peak, o.shard, "max").unsqueeze(1)
+    peak = _all_reduce(peak, o.shard, torch.distributed.ReduceOp.MAX).unsqueeze(1)
     p = torch.sub(z, peak, out=probs).exp_() if probs is not None else torch.exp(z - peak)
     local = index - o.shard.offset
     here = (local >= 0) & (local < rows)
     column = torch.where(here, local, 0)
     target_logit = z.gather(1, column) if rows else z.new_zeros(index.shape)
     sums = torch.stack([p.sum(1), torch.where(here, target_logit, 0.0).squeeze(1), z.sum(1)])
-    sums = _all_reduce(sums, o.shard)
+    sums = _all_reduce(sums, o.shard, torch.distributed.ReduceOp.SUM)
     p = p.div_(sums[0].unsqueeze(1)) if inplace else p / sums[0].unsqueeze(1)
     lse = peak.squeeze(1) + sums[0].log()
     return _Statistics(lse, sums[1], sums[2], p, column, here)
@@ -396,7 +397,7 @@ def _chunks(
     grad_x = grads.x()
     if o.shard is not None and grad_x is not None:
         # Each rank's columns give a part of x's gradient: the whole is their sum.
-        grad_x = _all_reduce(grad_x, o.shard)
+        grad_x = _all_reduce(grad_x, o.shard, torch.distributed.ReduceOp.SUM)
     return loss, grad_x, grads.weight
 
 
@@ -408,6 +409,13 @@ def _reduce(rows: torch.Tensor, target: torch.Tensor, o: _Options) -> torch.Tens
         return rows.sum()
     # A mean of no counted token is 0 / 0 = nan, as in F.cross_entropy.
     return rows.sum() / (target != o.ignore_index).sum().to(rows.dtype)
+
+
+def _select(b: int, arg: object, dim: object) -> object:
+    """Entry ``b`` of a batched argument (one with an int batch dimension ``dim``)."""
+    if isinstance(arg, torch.Tensor) and isinstance(dim, int):
+        return arg.select(dim, b)
+    return arg
 
 
 class _BatchInfo(Protocol):
@@ -534,12 +542,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # One call per batch entry: each is its own loss, with its own count of tokens.
         outputs = []
         for b in range(info.batch_size):
-            entry = [
-                a.select(d, b) if isinstance(a, torch.Tensor) and isinstance(d, int) else a
-                for a, d in zip(args, in_dims, strict=True)
-            ]
+            entry = map(functools.partial(_select, b), args, in_dims)
             outputs.append(_LinearCrossEntropy.apply(*entry))  # type: ignore[no-untyped-call]
-        return tuple(torch.stack(out) for out in zip(*outputs, strict=True)), (0, 0, 0)
+        stacked = tuple(torch.stack([out[i] for out in outputs]) for i in range(3))
+        return stacked, (0,) * 3
 
 
 def _loss_factor(grad_loss: torch.Tensor, keep: torch.Tensor, o: _Options) -> torch.Tensor:
