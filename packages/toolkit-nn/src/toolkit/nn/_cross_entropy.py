@@ -556,7 +556,7 @@ def _loss_factor(grad_loss: torch.Tensor, keep: torch.Tensor, o: _Options) -> to
     """
     if o.reduction == "sum":
         return grad_loss
-    count = keep.sum().to(grad_loss.dtype)
+    count = keep.sum()
     return torch.where(count > 0, grad_loss / count.clamp(min=1), 0.0)
 
 
@@ -579,18 +579,18 @@ def _scale_saved(
     # The factor stays in the accumulation dtype: float16 cannot hold a loss scale such as
     # 65536, nor the gradient of one token of a mean over thousands.
     factor = _loss_factor(grad_loss.to(acc), target != o.ignore_index, o)
-    result_x = result_w = None
-    if needs_x:
-        if grad_x.dtype == acc:
-            grad_x = grad_x.mul_(factor)
-        else:  # widened, scaled and rounded a chunk at a time, in place
-            for start in range(0, grad_x.shape[0], o.chunk_size):
-                part = grad_x[start : start + o.chunk_size]
-                part.copy_(part.to(acc).mul_(factor))
-        result_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
-    if needs_w:
-        result_w = grad_w.mul_(factor).to(ctx.weight_dtype)
-    return result_x, result_w, None, None, None, None
+    if needs_x:  # widened, scaled and rounded a chunk at a time, in place
+        for start in range(0, grad_x.shape[0], o.chunk_size):
+            part = grad_x[start : start + o.chunk_size]
+            part.copy_(part.to(acc).mul_(factor))
+    return (
+        grad_x.reshape(ctx.x_shape).to(ctx.x_dtype) if needs_x else None,
+        grad_w.mul_(factor).to(ctx.weight_dtype) if needs_w else None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 def linear_cross_entropy(
