@@ -183,6 +183,23 @@ def test_under_bfloat16_autocast_the_loss_is_that_of_the_autocast_logits(
         torch.testing.assert_close(actual, wanted, rtol=2e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_a_backward_called_under_autocast_recomputes_at_the_forward_precision(
+    create_graph: bool,
+) -> None:
+    """Per-token losses of float32 products, their backward called inside an autocast region:
+    the recomputed products stay float32, as the forward's were."""
+    x, weight, target = _inputs(9, 7, 16, torch.float32)
+    leaves, plain = _leaves(x, weight), _leaves(x, weight)
+    loss = _ours(target, reduction="none", chunk_size=4)(*leaves)
+    expected = _plain(target, reduction="none")(*plain)
+    upstream = torch.linspace(-1.0, 1.0, 9)
+    with torch.autocast("cpu", torch.bfloat16):
+        grads = torch.autograd.grad(loss, leaves, upstream, create_graph=create_graph)
+    for actual, wanted in zip(grads, torch.autograd.grad(expected, plain, upstream), strict=True):
+        torch.testing.assert_close(actual, wanted)
+
+
 def test_under_autocast_the_products_run_in_bfloat16() -> None:
     """Weights that round differently in bfloat16: the loss is the rounded logits'."""
     x = torch.ones(1, 1)

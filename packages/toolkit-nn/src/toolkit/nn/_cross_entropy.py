@@ -111,10 +111,9 @@ def _statistics(
     z: torch.Tensor, probs: torch.Tensor | None, index: torch.Tensor, o: _Options
 ) -> _Statistics:
     """The per-row statistics of the (soft-capped) logits ``z``, over the whole vocabulary."""
-    inplace = probs is not None
     if o.shard is None:
         top = z.argmax(1, keepdim=True)
-        p = torch.softmax(z, 1, out=probs) if probs is not None else torch.softmax(z, 1)
+        p = torch.softmax(z, 1, out=probs)  # into the buffer, if there is one
         # logsumexp(z) = z[top] - log p[top]: the largest probability is at least 1 / V, so
         # its logarithm neither underflows nor loses precision.
         lse = (z.gather(1, top) - p.gather(1, top).log()).squeeze(1)
@@ -126,14 +125,15 @@ def _statistics(
     rows = z.shape[1]
     peak = z.amax(1) if rows else z.new_full((z.shape[0],), -math.inf)
     peak = _all_reduce(peak, o.shard, torch.distributed.ReduceOp.MAX).unsqueeze(1)
-    p = torch.sub(z, peak, out=probs).exp_() if probs is not None else torch.exp(z - peak)
+    # Only in place: a sharded weight refuses a backward that differentiates this again.
+    p = torch.sub(z, peak, out=probs).exp_()
     local = index - o.shard.offset
     here = (local >= 0) & (local < rows)
     column = torch.where(here, local, 0)
     target_logit = z.gather(1, column) if rows else z.new_zeros(index.shape)
     sums = torch.stack([p.sum(1), torch.where(here, target_logit, 0.0).squeeze(1), z.sum(1)])
     sums = _all_reduce(sums, o.shard, torch.distributed.ReduceOp.SUM)
-    p = p.div_(sums[0].unsqueeze(1)) if inplace else p / sums[0].unsqueeze(1)
+    p = p.div_(sums[0].unsqueeze(1))
     lse = peak.squeeze(1) + sums[0].log()
     return _Statistics(lse, sums[1], sums[2], p, column, here)
 
@@ -511,11 +511,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x, weight, target = ctx.saved_tensors[:3]
         flat_target = target.reshape(-1)
         keep = flat_target != o.ignore_index
-        acc = _accumulation_dtype(o.mm_dtype)
+        # grad_loss has the loss's dtype, the accumulation dtype.
         if o.reduction == "none":
-            row_weight = grad_loss.reshape(-1).to(acc)
+            row_weight = grad_loss.reshape(-1)
         else:
-            row_weight = _loss_factor(grad_loss.to(acc), keep, o).expand(keep.shape)
+            row_weight = _loss_factor(grad_loss, keep, o).expand(keep.shape)
         with torch.autocast(x.device.type, enabled=False):
             _, grad_x, grad_w = _chunks(
                 x.reshape(flat_target.numel(), x.shape[-1]),
@@ -576,9 +576,9 @@ def _scale_saved(
     _, _, target, grad_x, grad_w = ctx.saved_tensors
     o = ctx.options
     acc = _accumulation_dtype(o.mm_dtype)
-    # The factor stays in the accumulation dtype: float16 cannot hold a loss scale such as
-    # 65536, nor the gradient of one token of a mean over thousands.
-    factor = _loss_factor(grad_loss.to(acc), target != o.ignore_index, o)
+    # The factor has the loss's dtype, the accumulation dtype: float16 cannot hold a loss
+    # scale such as 65536, nor the gradient of one token of a mean over thousands.
+    factor = _loss_factor(grad_loss, target != o.ignore_index, o)
     if needs_x:  # widened, scaled and rounded a chunk at a time, in place
         for start in range(0, grad_x.shape[0], o.chunk_size):
             part = grad_x[start : start + o.chunk_size]
