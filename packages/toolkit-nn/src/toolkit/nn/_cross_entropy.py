@@ -113,7 +113,8 @@ def _statistics(
     """The per-row statistics of the (soft-capped) logits ``z``, over the whole vocabulary."""
     if o.shard is None:
         top = z.argmax(1, keepdim=True)
-        p = torch.softmax(z, 1, out=probs)  # into the buffer, if there is one
+        # Into the softmax's buffer, if there is one.
+        p = torch.softmax(z, 1, out=probs)
         # logsumexp(z) = z[top] - log p[top]: the largest probability is at least 1 / V, so
         # its logarithm neither underflows nor loses precision.
         lse = (z.gather(1, top) - p.gather(1, top).log()).squeeze(1)
