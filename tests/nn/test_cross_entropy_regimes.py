@@ -325,3 +325,22 @@ def test_reduction_none_gives_each_token_its_loss_and_exact_gradients(
         wanted = torch.autograd.grad(expected, reference, upstream, retain_graph=True)
         for actual, want in zip(grads, wanted, strict=True):
             torch.testing.assert_close(actual, want)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_under_activation_checkpointing_the_gradients_are_the_plain_paths(reduction: str) -> None:
+    """The loss in a non-reentrant checkpoint, whose forward runs again in backward."""
+    x, weight, target = _inputs(10, 11, 4)
+    ours, plain = (
+        _ours(target, reduction=reduction, chunk_size=3),
+        _plain(target, reduction=reduction),
+    )
+    leaves, reference = _leaves(x, weight), _leaves(x, weight)
+    loss = torch.utils.checkpoint.checkpoint(
+        lambda x, w: ours(torch.tanh(x), w).sum(), *leaves, use_reentrant=False
+    )
+    expected = plain(torch.tanh(reference[0]), reference[1]).sum()
+    for actual, wanted in zip(
+        torch.autograd.grad(loss, leaves), torch.autograd.grad(expected, reference), strict=True
+    ):
+        torch.testing.assert_close(actual, wanted)
