@@ -170,10 +170,11 @@ def test_a_backward_that_builds_a_graph_is_refused_on_every_rank() -> None:
             assert fact in message
 
 
-def test_a_rank_without_rows_of_the_vocabulary_still_takes_part() -> None:
-    """A vocabulary of 4 on 3 ranks: 2 rows, 2 rows and none."""
+@pytest.mark.parametrize("vocab", [4, 5])
+def test_a_rank_with_one_row_or_none_of_the_vocabulary_takes_part(vocab: int) -> None:
+    """A vocabulary of 4 on 3 ranks: 2 rows, 2 rows and none; of 5: 2, 2 and 1."""
     generator = torch.Generator().manual_seed(3)
-    weight = torch.randn(4, DIM, generator=generator)
+    weight = torch.randn(vocab, DIM, generator=generator)
     x = torch.randn(5, DIM, generator=generator)
     target = torch.tensor([0, 3, -100, 1, 2])
     options: dict[str, Any] = {"label_smoothing": 0.1, "z_loss": 0.01, "chunk_size": 2}
@@ -186,11 +187,11 @@ def test_a_rank_without_rows_of_the_vocabulary_still_takes_part() -> None:
 
     def rank_main(rank: int) -> list[torch.Tensor]:
         mesh = init_device_mesh("cpu", (3,))
-        emb = nn.Embedding(4, DIM)
+        emb = nn.Embedding(vocab, DIM)
         with torch.no_grad():
             emb.weight.copy_(weight)
         parallelize_module(emb, mesh, RowwiseParallel(input_layouts=Replicate()))
-        assert emb.weight.to_local().shape[0] == (2, 2, 0)[rank]
+        assert emb.weight.to_local().shape[0] == (2, 2, vocab - 4)[rank]
         x_rank = x.clone().requires_grad_()
         loss = TiedLinear(emb).cross_entropy(x_rank, target, **options)
         loss.backward()

@@ -119,7 +119,7 @@ def _statistics(
         # its logarithm neither underflows nor loses precision.
         lse = (z.gather(1, top) - p.gather(1, top).log()).squeeze(1)
         total = z.sum(1) if o.label_smoothing else lse
-        here = torch.ones_like(index, dtype=torch.bool)
+        here = index >= 0  # every target's column is here
         return _Statistics(lse, z.gather(1, index).squeeze(1), total, p, index, here)
     # This rank has columns [offset, offset + rows) of the logits: only per-row statistics
     # cross the group, a max, then the sum of exponentials, the target logit and the sum.
