@@ -134,18 +134,67 @@ def test_a_float16_loss_scale_beyond_float16_range_gives_finite_gradients() -> N
         torch.testing.assert_close(actual, expected, rtol=5e-3, atol=16.0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
-def test_backward_itself_returns_each_gradient_in_its_input_dtype(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.float32])
+@pytest.mark.parametrize("grad_mode", [False, True])
+def test_backward_itself_returns_each_gradient_in_its_input_dtype(
+    dtype: torch.dtype, grad_mode: bool
+) -> None:
     """The loss is float32 for reduced inputs; backward (called here on the graph's node, with
-    no engine to convert what it returns) gives the gradients of x and weight their dtype."""
-    x, weight, target = _inputs(4, 5, 3, dtype)
-    loss = linear_cross_entropy(x.requires_grad_(), weight.requires_grad_(), target)
+    no engine to convert what it returns) gives the gradients of x and weight their dtype, in
+    the engine's usual grad mode (off) and in create_graph's (on). float32 runs under bfloat16
+    autocast, where the products and their gradients are bfloat16."""
+    x, weight, target = _inputs(6, 5, 3, dtype)
+    with torch.autocast("cpu", torch.bfloat16, enabled=dtype == torch.float32):
+        loss = linear_cross_entropy(x.requires_grad_(), weight.requires_grad_(), target)
     # The node of a custom Function: its apply runs the Function's backward and nothing else.
+    # It takes one gradient per output: the loss's, and none for the internal ones.
     node: Any = loss.grad_fn
-    grad_x, grad_w, *rest = node.apply(torch.ones((), dtype=loss.dtype))
+    with torch.set_grad_enabled(grad_mode):
+        grad_x, grad_w, *rest = node.apply(torch.ones((), dtype=loss.dtype), None, None)
     assert (grad_x.dtype, grad_w.dtype) == (dtype, dtype)
-    assert (grad_x.shape, grad_w.shape) == ((4, 3), (5, 3))
-    assert rest == [None] * 5
+    assert (grad_x.shape, grad_w.shape) == ((6, 3), (5, 3))
+    assert all(grad is None for grad in rest)
+    plain = _grads(lambda x, w: F.cross_entropy(F.linear(x, w).float(), target), x, weight)
+    if dtype != torch.float32:  # autocast's products are compared in the regimes tests
+        torch.testing.assert_close(grad_x, plain[1], rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(grad_w, plain[2], rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("grad_mode", [False, True])
+@pytest.mark.parametrize("which", ["x", "weight"])
+def test_backward_gives_no_gradient_to_an_input_that_needs_none(
+    grad_mode: bool, which: str
+) -> None:
+    x, weight, target = _inputs(6, 5, 3)
+    (x if which == "x" else weight).requires_grad_()
+    loss = linear_cross_entropy(x, weight, target, chunk_size=4)
+    node: Any = loss.grad_fn
+    with torch.set_grad_enabled(grad_mode):
+        grad_x, grad_w, *_ = node.apply(torch.ones(()), None, None)
+    assert (grad_x is None, grad_w is None) == (which != "x", which == "x")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_float16_loss_scale_reaches_every_chunk_of_x_gradient(reduction: str) -> None:
+    """10 tokens of width 3 in chunks of 4, scaled by 65536 (beyond float16's range, as a sum's
+    factor is): every row of x's gradient is that of the plain path."""
+    x, weight, target = _inputs(10, 5, 3, torch.float16)
+    weight = weight * 0.01  # probabilities near 1 / 5: the plain path's gradient fits float16
+    scale = 65536.0
+    ours = _grads(
+        lambda x, w: linear_cross_entropy(x, w, target, reduction=reduction, chunk_size=4),
+        x,
+        weight,
+        scale,
+    )
+    plain = _grads(
+        lambda x, w: F.cross_entropy(F.linear(x, w).float(), target, reduction=reduction),
+        x,
+        weight,
+        scale,
+    )
+    assert bool(ours[1].isfinite().all())
+    torch.testing.assert_close(ours[1], plain[1], rtol=5e-3, atol=1.0)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -281,24 +281,35 @@ def test_the_style_on_another_module_names_its_type_and_the_right_module(
     assert _error_on_each_rank(apply) == [expected] * WORLD
 
 
-def test_cross_entropy_on_a_vocabulary_sharded_weight_names_the_placements_and_the_fixes() -> None:
+def test_cross_entropy_on_a_weight_sharded_on_its_width_names_the_placements_and_fixes() -> None:
+    """A weight sharded on its second dimension (Shard(1)) is not a vocabulary shard: refused.
+
+    The vocabulary-sharded weight (Shard(0)) is computed; see test_cross_entropy_ranks.py.
+    """
     case = _Case()
     target = torch.randint(0, VOCAB, (BATCH, SEQ))
 
     def rank_main(rank: int) -> None:
-        head, _ = case.parallel_head(TiedLinearParallel())
-        head.cross_entropy(case.x, target)
+        mesh = init_device_mesh("cpu", (WORLD,))
+        emb = copy.deepcopy(case.emb)
+        emb.weight = nn.Parameter(distribute_tensor(emb.weight.detach(), mesh, [Shard(1)]))
+        TiedLinear(emb).cross_entropy(case.x, target)
 
-    expected = (
-        "TiedLinear.cross_entropy cannot use the weight of the tied module Embedding(17, 8): "
-        "it is a DTensor with placements (Shard(dim=0),), and the chunked loss needs the "
-        "whole vocabulary on every rank. Under FSDP2, call cross_entropy inside the forward "
-        "of the unit that holds the tied module, or register the method that calls it with "
-        "torch.distributed.fsdp.register_fsdp_forward_method(model, 'method_name'). Under "
-        "tensor parallelism, compute the logits with head(x) and take F.cross_entropy of "
-        "them inside torch.distributed.tensor.parallel.loss_parallel()."
-    )
     with pytest.raises(RankError) as info:
         run_ranks(WORLD, rank_main)
     assert type(info.value.__cause__) is RuntimeError
-    assert str(info.value.__cause__) == expected
+    message = " ".join(str(info.value.__cause__).split())
+    # The module, the placements, what is supported, and each fix, in full.
+    for fact in (
+        "TiedLinear.cross_entropy cannot use the weight of the tied module Embedding(17, 8)",
+        "a DTensor with placements (Shard(dim=1),), and the chunked loss needs the whole "
+        "vocabulary on every rank, or the vocabulary sharded by tensor parallelism on a 1-D "
+        "mesh (Shard(0)).",
+        "Under FSDP2, call cross_entropy inside the forward of the unit that holds the tied "
+        "module, or register the method that calls it with "
+        "torch.distributed.fsdp.register_fsdp_forward_method(model, 'method_name').",
+        "Under tensor parallelism, shard the tied module on the vocabulary (RowwiseParallel on "
+        "an embedding) on the tensor-parallel mesh, or compute the logits with head(x) and take "
+        "F.cross_entropy of them inside torch.distributed.tensor.parallel.loss_parallel().",
+    ):
+        assert fact in message

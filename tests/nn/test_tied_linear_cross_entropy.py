@@ -72,11 +72,27 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def reference_loss(
-    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **options: Any
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    **options: Any,
 ) -> torch.Tensor:
-    """The plain path: the full logits, widened as the documentation says, then F.cross_entropy."""
-    logits = F.linear(x, weight).to(acc_dtype(x.dtype))
-    return F.cross_entropy(logits.reshape(-1, weight.shape[0]), target.reshape(-1), **options)
+    """The plain path: the full logits, widened as the documentation says, soft-capped, then
+    F.cross_entropy, plus the z-loss of each counted token reduced as the loss is."""
+    logits = F.linear(x, weight).to(acc_dtype(x.dtype)).reshape(-1, weight.shape[0])
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    flat = target.reshape(-1)
+    loss = F.cross_entropy(logits, flat, **options)
+    counted = flat != options.get("ignore_index", -100)
+    extra = torch.where(counted, z_loss * torch.logsumexp(logits, 1).square(), 0.0)
+    reduction = options.get("reduction", "mean")
+    if reduction == "none":
+        return (loss + extra).reshape(target.shape)
+    return loss + (extra.sum() / counted.sum() if reduction == "mean" else extra.sum())
 
 
 @st.composite
@@ -98,14 +114,22 @@ def ce_cases(draw: st.DrawFn) -> dict[str, Any]:
     elif pattern == "some":
         ignored = draw(st.lists(st.booleans(), min_size=tokens, max_size=tokens))
         target.view(-1)[torch.tensor(ignored, dtype=torch.bool)] = ignore_index
+    reduction = draw(st.sampled_from(["mean", "sum", "none"]))
+    if reduction == "none":  # a different incoming gradient per token, zeros among them
+        upstream = torch.randn(case.lead, generator=generator, dtype=torch.float64)
+        upstream.view(-1)[:: draw(st.integers(1, 3))] = 0.0
+    else:
+        upstream = torch.tensor(draw(st.sampled_from([1.0, -0.5, 3.0])), dtype=torch.float64)
     return {
         "case": case,
         "target": target,
         "ignore_index": ignore_index,
-        "reduction": draw(st.sampled_from(["mean", "sum"])),
+        "reduction": reduction,
         "label_smoothing": draw(st.sampled_from([0.0, 1.0]) | st.floats(0.0, 1.0)),
+        "z_loss": draw(st.sampled_from([0.0, 1e-4, 0.5])),
+        "softcap": draw(st.sampled_from([None, 1.0, 30.0])),
         "chunk_size": draw(st.none() | st.integers(1, 8)),
-        "scale": draw(st.sampled_from([1.0, -0.5, 3.0])),
+        "upstream": upstream,
     }
 
 
@@ -113,11 +137,12 @@ def _losses_and_grads(
     compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     x: torch.Tensor,
     weight: torch.Tensor,
-    scale: float,
+    upstream: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loss, and the gradients of x and weight for the incoming gradient ``upstream``."""
     x = x.detach().requires_grad_()
     loss = compute(x, weight)
-    grad_x, grad_w = torch.autograd.grad(loss * scale, (x, weight))
+    grad_x, grad_w = torch.autograd.grad(loss, (x, weight), upstream.to(loss.dtype))
     return loss.detach(), grad_x, grad_w
 
 
@@ -127,8 +152,9 @@ def _losses_and_grads(
 @given(drawn=ce_cases())
 def test_loss_and_gradients_equal_f_cross_entropy_of_the_logits(drawn: dict[str, Any]) -> None:
     case: LinearCase = drawn["case"]
-    target, scale = drawn["target"], drawn["scale"]
-    options = {k: drawn[k] for k in ("ignore_index", "reduction", "label_smoothing")}
+    target, upstream = drawn["target"], drawn["upstream"]
+    names = ("ignore_index", "reduction", "label_smoothing", "z_loss", "softcap")
+    options = {k: drawn[k] for k in names}
     embedding = nn.Embedding(case.out_features, case.in_features, dtype=case.dtype)
     with torch.no_grad():
         embedding.weight.copy_(make_tensor(tuple(embedding.weight.shape), case, offset=1))
@@ -141,9 +167,9 @@ def test_loss_and_gradients_equal_f_cross_entropy_of_the_logits(drawn: dict[str,
     def leaf(weight: torch.Tensor) -> torch.Tensor:
         return weight.detach().clone().requires_grad_()
 
-    loss, grad_x, grad_w = _losses_and_grads(ours, x, embedding.weight, scale)
+    loss, grad_x, grad_w = _losses_and_grads(ours, x, embedding.weight, upstream)
     expected = _losses_and_grads(
-        lambda x, w: reference_loss(x, w, target, **options), x, leaf(embedding.weight), scale
+        lambda x, w: reference_loss(x, w, target, **options), x, leaf(embedding.weight), upstream
     )
     assert loss.dtype == acc_dtype(case.dtype)
     assert grad_x.dtype == grad_w.dtype == case.dtype
@@ -155,7 +181,7 @@ def test_loss_and_gradients_equal_f_cross_entropy_of_the_logits(drawn: dict[str,
         lambda x, w: reference_loss(x, w, target, **options),
         x.double(),
         leaf(embedding.weight.double()),
-        scale,
+        upstream,
     )
     rtol, atol = ORACLE_TOLERANCE[case.dtype]
     for actual, wanted in zip((loss, grad_x, grad_w), oracle, strict=True):
@@ -328,11 +354,26 @@ def _error(expected: type[Exception], **call: Any) -> str:
     return str(info.value)
 
 
-def test_a_reduction_other_than_mean_or_sum_is_refused() -> None:
-    assert _error(ValueError, reduction="none") == (
-        "cross_entropy reduction must be 'mean' or 'sum', got 'none'; for per-token losses "
-        "('none') compute the logits with head(x) and call F.cross_entropy on them"
-    )
+def test_a_reduction_other_than_mean_sum_or_none_is_refused() -> None:
+    message = _error(ValueError, reduction="max")
+    assert "'max'" in message
+    assert all(name in message for name in ("'mean'", "'sum'", "'none'"))
+
+
+@pytest.mark.parametrize("value", [-0.1, math.inf, math.nan])
+def test_a_z_loss_that_is_not_finite_and_nonnegative_is_refused(value: float) -> None:
+    message = _error(ValueError, z_loss=value)
+    assert "z_loss" in message
+    assert str(value) in message
+    assert ">= 0.0" in message
+
+
+@pytest.mark.parametrize("value", [0.0, -2.0, math.inf, math.nan])
+def test_a_softcap_that_is_not_finite_and_positive_is_refused(value: float) -> None:
+    message = _error(ValueError, softcap=value)
+    assert "softcap" in message
+    assert str(value) in message
+    assert "None" in message
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, math.nan])
@@ -394,7 +435,7 @@ def test_a_failed_call_leaves_no_gradient() -> None:
     head, x, target = _small()
     x.requires_grad_()
     with pytest.raises(ValueError, match="reduction"):
-        head.cross_entropy(x, target, reduction="none")
+        head.cross_entropy(x, target, reduction="max")
     assert x.grad is None
     assert head.weight.grad is None
 

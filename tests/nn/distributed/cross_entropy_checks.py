@@ -1,11 +1,11 @@
-"""TiedLinear.cross_entropy on gloo ranks: under FSDP2, and refused under tensor parallelism.
+"""TiedLinear.cross_entropy on gloo ranks: under FSDP2, and under tensor parallelism.
 
 Under FSDP2 the tiny tied LM of ``tiny_lm`` trains with its loss taken by
 ``head.cross_entropy``: inside the root's forward, or in a method registered with
 ``register_fsdp_forward_method``. The test compares the losses and weights with
 ``tiny_lm.reference_training``, which takes ``F.cross_entropy`` of ``F.linear(h, emb.weight)``
-in one process. Under tensor parallelism (the embedding's weight sharded on the vocabulary) the
-call is refused with an error that names ``loss_parallel()``.
+in one process. Under tensor parallelism (the embedding's weight sharded on the vocabulary) each
+rank computes the loss from its rows, compared with ``F.cross_entropy`` in one process.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.nn.distributed.tiny_lm import (
     DIM,
@@ -105,14 +105,31 @@ def sharded_outside_forward() -> str:
     return _error(lambda: model.out.head.cross_entropy(torch.randn(*idx.shape, DIM), targets))
 
 
-def tensor_parallel() -> str:
-    """The error when the embedding's weight is sharded on the vocabulary across a TP mesh."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+def tensor_parallel_case() -> tuple[nn.Embedding, torch.Tensor, torch.Tensor]:
+    """The embedding, input and targets of the tensor-parallel check, the same on every rank
+    and in the test's own process."""
+    generator = torch.Generator().manual_seed(7)
     embedding = nn.Embedding(VOCAB, DIM)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.randn(VOCAB, DIM, generator=generator))
+    x = torch.randn(6, DIM, generator=generator)
+    targets = torch.randint(0, VOCAB, (6,), generator=generator)
+    targets[2] = -100
+    return embedding, x, targets
+
+
+def tensor_parallel() -> dict[str, torch.Tensor]:
+    """The loss and gradients with the embedding's weight sharded on the vocabulary."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    embedding, x, targets = tensor_parallel_case()
     embedding.weight = nn.Parameter(distribute_tensor(embedding.weight.detach(), mesh, [Shard(0)]))
     head = TiedLinear(embedding)
-    targets = torch.randint(0, VOCAB, (4,))
-    return _error(lambda: head.cross_entropy(torch.randn(4, DIM), targets))
+    x.requires_grad_()
+    loss = head.cross_entropy(x, targets, label_smoothing=0.1, chunk_size=4)
+    loss.backward()
+    grad = embedding.weight.grad
+    assert isinstance(grad, DTensor)
+    return {"loss": loss.detach(), "x_grad": x.grad, "weight_grad": grad.full_tensor()}
 
 
 def checks(world_size: int, checkpoint_dir: Path) -> dict[str, Callable[[], Any]]:

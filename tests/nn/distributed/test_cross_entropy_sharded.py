@@ -1,4 +1,4 @@
-"""TiedLinear.cross_entropy on 2 gloo ranks: FSDP2 parity, and the refusals of a sharded weight.
+"""TiedLinear.cross_entropy on 2 gloo ranks: FSDP2 and tensor-parallel parity, and a refusal.
 
 The checks run in ``cross_entropy_checks``; the expected losses and weights come from
 ``tiny_lm.reference_training``, which takes ``F.cross_entropy`` of ``F.linear(h, emb.weight)``
@@ -11,19 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from tests.nn.distributed.cross_entropy_checks import STEPS
+from tests.nn.distributed.cross_entropy_checks import STEPS, tensor_parallel_case
 from tests.nn.distributed.tiny_lm import reference_training
 from tests.nn.distributed.worlds import Worlds, per_rank
 
 WORLD = 2
-FIXES = (
-    "Under FSDP2, call cross_entropy inside the forward of the unit that holds the tied module, "
-    "or register the method that calls it with "
-    "torch.distributed.fsdp.register_fsdp_forward_method(model, 'method_name'). Under tensor "
-    "parallelism, compute the logits with head(x) and take F.cross_entropy of them inside "
-    "torch.distributed.tensor.parallel.loss_parallel()."
-)
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +44,25 @@ def test_fsdp2_training_matches_the_single_process_reference(
         )
 
 
-@pytest.mark.parametrize("check", ["sharded_outside_forward", "tensor_parallel"])
-def test_a_weight_sharded_on_the_vocabulary_is_refused_with_the_fixes(
-    worlds: Worlds, check: str
-) -> None:
-    for message in per_rank(worlds, WORLD, f"cross_entropy/{check}"):
-        assert message == (
-            "TiedLinear.cross_entropy cannot use the weight of the tied module Embedding(17, 8): "
-            "it is a DTensor with placements (Shard(dim=0),), and the chunked loss needs the "
-            f"whole vocabulary on every rank. {FIXES}"
+def test_a_weight_resharded_by_fsdp2_is_refused_with_the_fixes(worlds: Worlds) -> None:
+    for message in per_rank(worlds, WORLD, "cross_entropy/sharded_outside_forward"):
+        assert message.startswith(
+            "TiedLinear.cross_entropy cannot use the weight of the tied module Embedding(17, 8)"
         )
+        assert "(Shard(dim=0),)" in message
+        assert "register_fsdp_forward_method" in message
+        assert "loss_parallel()" in message
+
+
+def test_a_weight_sharded_on_the_vocabulary_by_tensor_parallelism_gives_the_whole_loss(
+    worlds: Worlds,
+) -> None:
+    """Vocabulary 17 over 2 gloo processes: 9 rows and 8."""
+    embedding, x, targets = tensor_parallel_case()
+    x.requires_grad_()
+    expected = F.cross_entropy(F.linear(x, embedding.weight), targets, label_smoothing=0.1)
+    expected.backward()
+    for result in per_rank(worlds, WORLD, "cross_entropy/tensor_parallel"):
+        torch.testing.assert_close(result["loss"], expected.detach())
+        torch.testing.assert_close(result["x_grad"], x.grad)
+        torch.testing.assert_close(result["weight_grad"], embedding.weight.grad)

@@ -23,7 +23,7 @@ def namespaces() -> list[dict[str, object]]:
 
 def test_every_block_of_the_page_is_run_or_checked() -> None:
     kinds = fences(PAGE)
-    assert kinds.count("py") == 8
+    assert kinds.count("py") == 9
     assert kinds.count("text") == 1
     # ```python blocks would run in a single process, without the process group they need.
     assert set(kinds) == {"py", "text"}

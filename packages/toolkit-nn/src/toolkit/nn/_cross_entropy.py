@@ -5,17 +5,32 @@ the ``(N, V)`` logits and, for backward, their softmax: at language-model scale 
 largest allocation of a training step. Here the tokens are taken a chunk at a time: the
 chunk's logits are computed into one reused ``(chunk, V)`` buffer and their softmax into
 another, which is turned in place into the gradient of the logits and multiplied straight
-into the gradients of ``x`` and ``w``. The gradients are therefore computed in forward,
-with the same matrix products as the plain path and nothing recomputed; backward only
-scales them by the incoming gradient. When no gradient is needed, only the loss is computed.
+into the gradients of ``x`` and ``w``.
+
+For ``reduction="mean"`` and ``"sum"`` the gradients are computed in forward, for a unit
+weight per counted token, with the same matrix products as the plain path; backward only
+scales them by the incoming gradient (and ``1 / count`` for a mean), in the accumulation
+dtype, so that a float16 loss scale is applied before anything is rounded to float16. For
+``reduction="none"`` each token's incoming gradient is known only in backward, which
+recomputes the chunks with it. So does a backward that builds a graph (``create_graph=True``,
+``torch.func.grad``): it recomputes them with differentiable operations, which gives the
+second-order gradients of the plain path. When no gradient is needed, only the loss is
+computed.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
 import torch
 from torch.autograd.function import FunctionCtx
 
-__all__ = ["linear_cross_entropy"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["VocabShard", "linear_cross_entropy"]
 
 # ``chunk_size=None`` bounds the chunk's logits buffer, and its softmax's, to this many bytes
 # (and takes at least ``_MIN_CHUNK`` tokens, so that the matrix products stay efficient).
@@ -23,7 +38,8 @@ __all__ = ["linear_cross_entropy"]
 # measured cost.
 _CHUNK_BYTES = 64 * 2**20
 _MIN_CHUNK = 16
-_REDUCTIONS = ("mean", "sum")
+_REDUCTIONS = ("mean", "sum", "none")
+_REDUCED = (torch.bfloat16, torch.float16)
 
 
 def default_chunk_size(num_tokens: int, vocab: int, acc_dtype: torch.dtype) -> int:
@@ -39,8 +55,109 @@ def default_chunk_size(num_tokens: int, vocab: int, acc_dtype: torch.dtype) -> i
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Reduced-precision inputs accumulate in float32; float32 and float64 in themselves."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    """Reduced-precision products accumulate in float32; float32 and float64 in themselves."""
+    return torch.float32 if dtype in _REDUCED else dtype
+
+
+class _Options(NamedTuple):
+    """The loss's options, checked, and the dtype of its matrix products."""
+
+    ignore_index: int
+    reduction: str
+    label_smoothing: float
+    z_loss: float
+    softcap: float | None
+    chunk_size: int
+    mm_dtype: torch.dtype
+    shard: VocabShard | None = None
+
+
+class VocabShard(NamedTuple):
+    """This rank's rows of a weight sharded on the vocabulary, and the group that has them all.
+
+    The rows are ``[offset, offset + rows)`` of a vocabulary of ``vocab``; the ranks of
+    ``group`` hold the others, and every rank has the whole input and targets.
+    """
+
+    group: ProcessGroup
+    offset: int
+    vocab: int
+
+
+def _all_reduce(
+    tensor: torch.Tensor, shard: VocabShard, op: torch.distributed.ReduceOp.RedOpType
+) -> torch.Tensor:
+    """``tensor`` reduced in place over the shard's group by ``op``, a ``ReduceOp``."""
+    torch.distributed.all_reduce(tensor, op=op, group=shard.group)
+    return tensor
+
+
+class _Statistics(NamedTuple):
+    """Per row: the logsumexp, target logit and sum of the logits, over the whole vocabulary.
+
+    With this rank's part of the softmax, and the target's column among this rank's columns
+    (0 where another rank has it) with whether this rank has it.
+    """
+
+    lse: torch.Tensor
+    target_logit: torch.Tensor
+    total: torch.Tensor
+    probs: torch.Tensor
+    column: torch.Tensor
+    here: torch.Tensor
+
+
+def _statistics(
+    z: torch.Tensor, probs: torch.Tensor | None, index: torch.Tensor, o: _Options
+) -> _Statistics:
+    """The per-row statistics of the (soft-capped) logits ``z``, over the whole vocabulary."""
+    if o.shard is None:
+        top = z.argmax(1, keepdim=True)
+        # Into the softmax's buffer, if there is one.
+        p = torch.softmax(z, 1, out=probs)
+        # logsumexp(z) = z[top] - log p[top]: the largest probability is at least 1 / V, so
+        # its logarithm neither underflows nor loses precision.
+        lse = (z.gather(1, top) - p.gather(1, top).log()).squeeze(1)
+        total = z.sum(1) if o.label_smoothing else lse
+        here = index >= 0  # every target's column is here
+        return _Statistics(lse, z.gather(1, index).squeeze(1), total, p, index, here)
+    # This rank has columns [offset, offset + rows) of the logits: only per-row statistics
+    # cross the group, a max, then the sum of exponentials, the target logit and the sum.
+    rows = z.shape[1]
+    peak = z.amax(1) if rows else z.new_full((z.shape[0],), -math.inf)
+    peak = _all_reduce(peak, o.shard, torch.distributed.ReduceOp.MAX).unsqueeze(1)
+    # Only in place: a sharded weight refuses a backward that differentiates this again.
+    p = torch.sub(z, peak, out=probs).exp_()
+    local = index - o.shard.offset
+    here = (local >= 0) & (local < rows)
+    column = torch.where(here, local, 0)
+    target_logit = z.gather(1, column) if rows else z.new_zeros(index.shape)
+    sums = torch.stack([p.sum(1), torch.where(here, target_logit, 0.0).squeeze(1), z.sum(1)])
+    sums = _all_reduce(sums, o.shard, torch.distributed.ReduceOp.SUM)
+    p = p.div_(sums[0].unsqueeze(1))
+    lse = peak.squeeze(1) + sums[0].log()
+    return _Statistics(lse, sums[1], sums[2], p, column, here)
+
+
+def _product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear(x, weight)`` computes in: under autocast, its dtype for both.
+
+    Autocast casts float16, bfloat16 and float32 tensors (not float64) to its dtype for
+    ``F.linear``; outside autocast the input must have the weight's dtype.
+    """
+    device = x.device.type
+    x_dtype, w_dtype = x.dtype, weight.dtype
+    if torch.is_autocast_enabled(device) and x_dtype.is_floating_point:
+        cast = torch.get_autocast_dtype(device)
+        eligible = (torch.float16, torch.bfloat16, torch.float32)
+        x_dtype = cast if x_dtype in eligible else x_dtype
+        w_dtype = cast if w_dtype in eligible else w_dtype
+    if not x.dtype.is_floating_point or x_dtype != w_dtype:
+        raise TypeError(
+            f"cross_entropy needs a floating-point input of the weight's dtype, got input "
+            f"{x.dtype} and weight {weight.dtype}; convert the input with x.to(weight.dtype)"
+        )
+    return x_dtype
 
 
 def _check_arguments(
@@ -49,18 +166,27 @@ def _check_arguments(
     target: torch.Tensor,
     reduction: str,
     label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
     chunk_size: int | None,
 ) -> None:
     """Raise, before any work, for arguments that ``F.cross_entropy`` would not accept."""
     if reduction not in _REDUCTIONS:
         raise ValueError(
-            f"cross_entropy reduction must be 'mean' or 'sum', got {reduction!r}; for "
-            "per-token losses ('none') compute the logits with head(x) and call "
-            "F.cross_entropy on them"
+            f"cross_entropy reduction must be 'mean', 'sum' or 'none', got {reduction!r}"
         )
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(
             f"cross_entropy label_smoothing must be in [0.0, 1.0], got {label_smoothing}"
+        )
+    if not 0.0 <= z_loss < math.inf:
+        raise ValueError(
+            f"cross_entropy z_loss must be a finite number >= 0.0 (0.0 for none), got {z_loss}"
+        )
+    if softcap is not None and not 0.0 < softcap < math.inf:
+        raise ValueError(
+            f"cross_entropy softcap must be a finite number > 0.0, or None for no soft-cap, "
+            f"got {softcap}"
         )
     if chunk_size is not None and (type(chunk_size) is not int or chunk_size < 1):
         raise ValueError(
@@ -72,11 +198,6 @@ def _check_arguments(
             f"cross_entropy target must hold class indices of an integer dtype such as "
             f"torch.long, got {target.dtype}; class probabilities are not supported, "
             "compute the logits with head(x) and call F.cross_entropy on them"
-        )
-    if not x.dtype.is_floating_point or x.dtype != weight.dtype:
-        raise TypeError(
-            f"cross_entropy needs a floating-point input of the weight's dtype, got input "
-            f"{x.dtype} and weight {weight.dtype}; convert the input with x.to(weight.dtype)"
         )
     if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
@@ -93,152 +214,384 @@ def _check_arguments(
 
 
 def _check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Raise for a counted target outside the vocabulary, as ``F.cross_entropy`` does."""
+    """Raise for a counted target outside the vocabulary, as ``F.cross_entropy`` does.
+
+    On the CPU, eagerly, the error names the value. Elsewhere, and under ``torch.compile``,
+    the check is an asynchronous assertion, so that it neither waits for the device nor
+    breaks the graph; on CUDA it fails as ``F.cross_entropy``'s device-side assertion does.
+    """
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
-    if bool(bad.any()):
-        value = int(target[bad][0])
-        raise IndexError(
-            f"cross_entropy target {value} is out of bounds for a vocabulary of {vocab} "
-            f"(out_features): each target must be in [0, {vocab}) or equal "
-            f"ignore_index={ignore_index}"
+    fix = f"each target must be in [0, {vocab}) or equal ignore_index={ignore_index}"
+    if target.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool(bad.any()):
+            value = int(target[bad][0])
+            raise IndexError(
+                f"cross_entropy target {value} is out of bounds for a vocabulary of {vocab} "
+                f"(out_features): {fix}"
+            )
+        return
+    torch._assert_async(
+        ~bad.any(),
+        f"cross_entropy target out of bounds for a vocabulary of {vocab} (out_features): {fix}",
+    )
+
+
+def _row_losses(
+    z: torch.Tensor,
+    probs: torch.Tensor | None,
+    index: torch.Tensor,
+    keep: torch.Tensor,
+    o: _Options,
+    want_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's loss, and the gradient of the rows' sum with respect to the logits ``z``.
+
+    ``z`` is ``(rows, V)`` in the accumulation dtype, ``index`` ``(rows, 1)`` the target
+    (0 where ignored) and ``keep`` ``(rows,)`` the counted rows; ignored rows give 0 and a
+    zero gradient. With ``probs`` (a ``(rows, V)`` buffer) the work is done in place, in
+    ``z`` and ``probs``, and the gradient is ``probs``; without, out of place, so that
+    autograd can differentiate it again.
+    """
+    vocab = z.shape[1] if o.shard is None else o.shard.vocab
+    eps, cap = o.label_smoothing, o.softcap
+    inplace = probs is not None
+    if cap is not None:  # Gemma 2's soft-cap: cap * tanh(z / cap), before the softmax
+        z = z.div_(cap).tanh_().mul_(cap) if inplace else torch.tanh(z / cap) * cap
+    stats = _statistics(z, probs, index, o)
+    lse, p = stats.lse, stats.probs
+    # lse - (1 - eps) * z_target - eps * mean(z): F.cross_entropy's label smoothing.
+    row = lse - (1.0 - eps) * stats.target_logit
+    if eps:
+        row = row - eps / vocab * stats.total
+    if o.z_loss:
+        row = row + o.z_loss * lse.square()
+    row = torch.where(keep, row, 0.0)
+    if not want_grad:
+        return row, None
+    # d row / d z = p * (1 + 2 c lse) - (1 - eps) onehot - eps / V, on counted rows.
+    counted = keep.to(z.dtype)
+    scale = counted * (1.0 + 2.0 * o.z_loss * lse) if o.z_loss else counted
+    grad = p.mul_(scale.unsqueeze(1)) if inplace else p * scale.unsqueeze(1)
+    if eps:
+        shift = (counted * (eps / vocab)).unsqueeze(1)
+        grad = grad.sub_(shift) if inplace else grad - shift
+    onehot = -(1.0 - eps) * counted.unsqueeze(1) * stats.here
+    column = stats.column
+    if grad.shape[1]:  # a rank may hold no rows of a sharded vocabulary
+        grad = (
+            grad.scatter_add_(1, column, onehot) if inplace else grad.scatter_add(1, column, onehot)
         )
+    if cap is not None:  # through the soft-cap: d/dz cap * tanh(z / cap) = 1 - (z_capped / cap)^2
+        slope = z.div_(cap).square_().neg_().add_(1.0) if inplace else 1.0 - (z / cap).square()
+        grad = grad.mul_(slope) if inplace else grad * slope
+    return row, grad
+
+
+class _Gradients:
+    """The gradients of x (by chunk) and of the weight, summed over the chunks.
+
+    In place, into one ``(N, D)`` buffer and one ``(V, D)`` buffer; under grad mode, out of
+    place, so that autograd can differentiate them.
+    """
+
+    def __init__(
+        self, x: torch.Tensor, weight: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool
+    ) -> None:
+        self.inplace = not torch.is_grad_enabled()
+        self.mm, self.acc = o.mm_dtype, _accumulation_dtype(o.mm_dtype)
+        self.want_x = want_x
+        self.x_buffer = (
+            torch.empty(x.shape, dtype=self.mm, device=x.device)
+            if want_x and self.inplace
+            else None
+        )
+        self.x_parts: list[torch.Tensor] = []
+        self.x_shape, self.device = x.shape, x.device
+        self.weight = torch.zeros(weight.shape, dtype=self.acc, device=x.device) if want_w else None
+
+    def add(self, start: int, grad: torch.Tensor, x_c: torch.Tensor, w_mm: torch.Tensor) -> None:
+        """Add a chunk's share, from the gradient of its logits ``grad``."""
+        if self.x_buffer is not None:
+            torch.mm(grad.to(self.mm), w_mm, out=self.x_buffer[start : start + len(grad)])
+        elif self.want_x:
+            self.x_parts.append(torch.mm(grad.to(self.mm), w_mm))
+        if self.weight is not None and self.inplace:
+            self.weight.addmm_(grad.t(), x_c.to(self.acc))
+        elif self.weight is not None:
+            self.weight = self.weight + grad.t().mm(x_c.to(self.acc))
+
+    def x(self) -> torch.Tensor | None:
+        """The gradient of x, in the products' dtype, or None if not wanted."""
+        if self.x_buffer is not None or not self.want_x:
+            return self.x_buffer
+        if not self.x_parts:  # no tokens
+            return torch.zeros(self.x_shape, dtype=self.mm, device=self.device)
+        return torch.cat(self.x_parts)
+
+
+def _chunk_logits(
+    x_c: torch.Tensor,
+    w_mm: torch.Tensor,
+    acc: torch.dtype,
+    buffers: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk's logits in the accumulation dtype, rounded like ``head(x)``'s.
+
+    Also the buffer for their softmax, or None out of place.
+    """
+    if buffers is None:
+        return torch.mm(x_c, w_mm.t()).to(acc), None
+    z, p = buffers[0][: len(x_c)], buffers[1][: len(x_c)]
+    if x_c.dtype == acc:
+        torch.mm(x_c, w_mm.t(), out=z)
+    else:
+        z.copy_(torch.mm(x_c, w_mm.t()))  # rounded like head(x), then widened
+    return z, p
 
 
 def _chunks(
     x: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
+    o: _Options,
     *,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    chunk_size: int,
-    grad_x: torch.Tensor | None,
-    grad_w: torch.Tensor | None,
-) -> torch.Tensor:
-    """The loss of ``F.cross_entropy(F.linear(x, weight), target)``, chunk by chunk.
+    row_weight: torch.Tensor | None,
+    want_x: bool,
+    want_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Each token's loss, and the gradients of ``sum(row_weight * loss)`` for x and weight.
 
-    ``x`` is ``(N, D)`` and ``target`` ``(N,)``. When given, ``grad_x`` (``(N, D)``, the
-    input's dtype) is filled with, and ``grad_w`` (``(V, D)``, the accumulation dtype, zeroed)
-    accumulates, the gradients of the returned loss.
+    ``x`` is ``(N, D)``, ``target`` ``(N,)``; ``row_weight`` ``(N,)`` is the incoming gradient
+    of each token's loss, or None for one per token. The gradient of ``x`` has the products'
+    dtype, the weight's the accumulation dtype. Under grad mode every operation is out of
+    place and differentiable; otherwise the chunk's buffers are reused in place.
     """
     num_tokens, vocab = x.shape[0], weight.shape[0]
-    acc = _accumulation_dtype(x.dtype)
-    reduced = acc != x.dtype
-    valid = target != ignore_index
-    count = valid.sum().to(acc)
-    # The gradient of a mean divides by the number of counted tokens. With none counted the
-    # loss is 0 / 0 = nan, as in F.cross_entropy, and every gradient is zero.
-    grad_scale = 1.0 / count.clamp(min=1) if reduction == "mean" else count.new_ones(())
-    total = torch.zeros((), dtype=acc, device=x.device)
-    rows = min(chunk_size, num_tokens)
-    logits = torch.empty((rows, vocab), dtype=acc, device=x.device)
-    # The softmax goes to a second buffer: torch's fused row-wise kernel takes each row while
-    # it is in cache, where an in-place softmax of our own would take five passes.
-    probs = torch.empty((rows, vocab), dtype=acc, device=x.device)
-    for start in range(0, num_tokens, chunk_size):
-        stop = min(start + chunk_size, num_tokens)
-        x_c, keep = x[start:stop], valid[start:stop]
-        z, p = logits[: stop - start], probs[: stop - start]
-        if reduced:
-            z.copy_(torch.mm(x_c, weight.t()))  # rounded like head(x), then widened
-        else:
-            torch.mm(x_c, weight.t(), out=z)
-        index = torch.where(keep, target[start:stop], 0).unsqueeze(1)
-        top = z.argmax(1, keepdim=True)
-        torch.softmax(z, 1, out=p)
-        # logsumexp(z) = z[top] - log p[top]: the largest probability is at least 1 / V, so
-        # its logarithm neither underflows nor loses precision.
-        lse = (z.gather(1, top) - p.gather(1, top).log()).squeeze(1)
-        # lse - (1 - eps) * z_target - eps * mean(z): F.cross_entropy's label smoothing.
-        row_loss = lse - (1.0 - label_smoothing) * z.gather(1, index).squeeze(1)
-        if label_smoothing:
-            row_loss -= label_smoothing / vocab * z.sum(1)
-        total += torch.where(keep, row_loss, 0).sum()
-        if grad_x is None and grad_w is None:
+    acc = _accumulation_dtype(o.mm_dtype)
+    w_mm = weight.to(o.mm_dtype)
+    keep = target != o.ignore_index
+    index = torch.where(keep, target, 0).unsqueeze(1)
+    grads = _Gradients(x, weight, o, want_x=want_x, want_w=want_w)
+    buffers = None
+    if grads.inplace:
+        shape = (min(o.chunk_size, num_tokens), vocab)
+        # The softmax goes to a second buffer: torch's fused row-wise kernel takes each row
+        # while it is in cache, where an in-place softmax of our own would take five passes.
+        buffers = (
+            torch.empty(shape, dtype=acc, device=x.device),
+            torch.empty(shape, dtype=acc, device=x.device),
+        )
+    losses = []
+    for start in range(0, num_tokens, o.chunk_size):
+        stop = min(start + o.chunk_size, num_tokens)
+        x_c = x[start:stop].to(o.mm_dtype)
+        z, p = _chunk_logits(x_c, w_mm, acc, buffers)
+        row, grad = _row_losses(z, p, index[start:stop], keep[start:stop], o, want_x or want_w)
+        losses.append(row)
+        if grad is None:
             continue
-        # In the softmax's buffer: the softmax, times the reduction's scale, minus the smoothed
-        # one-hot target.
-        row_scale = keep.to(acc) * grad_scale
-        grad = p.mul_(row_scale.unsqueeze(1))
-        if label_smoothing:
-            grad.sub_((row_scale * (label_smoothing / vocab)).unsqueeze(1))
-        grad.scatter_add_(1, index, (-(1.0 - label_smoothing) * row_scale).unsqueeze(1))
-        if grad_x is not None:
-            if reduced:
-                grad_x[start:stop] = torch.mm(grad.to(x.dtype), weight)
-            else:
-                torch.mm(grad, weight, out=grad_x[start:stop])
-        if grad_w is not None:
-            grad_w.addmm_(grad.t(), x_c.to(acc))
-    return total / count if reduction == "mean" else total
+        if row_weight is not None:
+            factor = row_weight[start:stop].unsqueeze(1)
+            grad = grad.mul_(factor) if grads.inplace else grad * factor
+        grads.add(start, grad, x_c, w_mm)
+    loss = torch.cat(losses) if losses else x.new_zeros((0,), dtype=acc)
+    grad_x = grads.x()
+    if o.shard is not None and grad_x is not None:
+        # Each rank's columns give a part of x's gradient: the whole is their sum.
+        grad_x = _all_reduce(grad_x, o.shard, torch.distributed.ReduceOp.SUM)
+    return loss, grad_x, grads.weight
+
+
+def _reduce(rows: torch.Tensor, target: torch.Tensor, o: _Options) -> torch.Tensor:
+    """The loss of the reduction, from each token's (0 where ignored)."""
+    if o.reduction == "none":
+        return rows.reshape(target.shape)
+    if o.reduction == "sum":
+        return rows.sum()
+    # A mean of no counted token is 0 / 0 = nan, as in F.cross_entropy.
+    return rows.sum() / (target != o.ignore_index).sum().to(rows.dtype)
+
+
+def _select(b: int, arg: object, dim: object) -> object:
+    """Entry ``b`` of a batched argument (one with an int batch dimension ``dim``)."""
+    if isinstance(arg, torch.Tensor) and isinstance(dim, int):
+        return arg.select(dim, b)
+    return arg
+
+
+class _BatchInfo(Protocol):
+    """What ``torch.func.vmap`` tells a Function's vmap rule: the size of the batch."""
+
+    batch_size: int
 
 
 class _Context(FunctionCtx):
     """What the autograd context holds between forward and backward, for type checking."""
 
     needs_input_grad: tuple[bool, ...]
-    saved_tensors: tuple[torch.Tensor | None, torch.Tensor | None]
+    saved_tensors: tuple[torch.Tensor, ...]
+    options: _Options
     x_shape: torch.Size
+    x_dtype: torch.dtype
     weight_dtype: torch.dtype
+    saved_grads: bool
     used: bool
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Forward computes the loss and both gradients; backward scales the saved gradients."""
+    """Forward computes the loss and, for a mean or a sum, the unit-weight gradients.
+
+    Backward scales those, or recomputes the chunks.
+    """
 
     @staticmethod
     def forward(
-        ctx: _Context,
         x: torch.Tensor,
         weight: torch.Tensor,
         target: torch.Tensor,
-        ignore_index: int,
-        reduction: str,
-        label_smoothing: float,
-        chunk_size: int,
-    ) -> torch.Tensor:
-        needs_x, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        flat = x.reshape(target.numel(), x.shape[-1])
-        acc = _accumulation_dtype(x.dtype)
-        grad_x = torch.empty_like(flat) if needs_x else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs_w else None
-        loss = _chunks(
-            flat,
-            weight,
-            target.reshape(-1),
-            ignore_index=ignore_index,
-            reduction=reduction,
-            label_smoothing=label_smoothing,
-            chunk_size=chunk_size,
-            grad_x=grad_x,
-            grad_w=grad_w,
+        o: _Options,
+        want_x: bool,
+        want_w: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Checked here, where under torch.func.vmap each entry's targets are a plain tensor.
+        _check_targets(
+            target, weight.shape[0] if o.shard is None else o.shard.vocab, o.ignore_index
         )
-        ctx.x_shape = x.shape
-        ctx.weight_dtype = weight.dtype
-        ctx.used = False
-        ctx.save_for_backward(grad_x, grad_w)  # type: ignore[arg-type] # None is allowed
-        return loss
+        flat_target = target.reshape(-1)
+        save = o.reduction != "none"
+        rows, grad_x, grad_w = _chunks(
+            x.reshape(flat_target.numel(), x.shape[-1]),
+            weight,
+            flat_target,
+            o,
+            row_weight=None,
+            want_x=want_x and save,
+            want_w=want_w and save,
+        )
+        # Outputs must be tensors, and distinct ones: an empty one stands for a gradient not
+        # computed.
+        return (
+            _reduce(rows, target, o),
+            x.new_empty((0,)) if grad_x is None else grad_x,
+            x.new_empty((0,)) if grad_w is None else grad_w,
+        )
 
     @staticmethod
-    def backward(ctx: _Context, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        # The saved gradients are scaled in place, so that backward allocates no second
-        # (V, D) buffer; a second backward through the same graph would scale them again.
-        if ctx.used:
+    def setup_context(
+        ctx: _Context,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Options, bool, bool],
+        output: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> None:
+        x, weight, target, o, want_x, want_w = inputs
+        _, grad_x, grad_w = output
+        ctx.mark_non_differentiable(grad_x, grad_w)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, weight, target, grad_x, grad_w)
+        ctx.options = o
+        ctx.x_shape, ctx.x_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
+        ctx.saved_grads = o.reduction != "none" and (want_x or want_w)
+        ctx.used = False
+
+    @staticmethod
+    def backward(
+        ctx: _Context, grad_loss: torch.Tensor, *_internal: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        o = ctx.options
+        needs_x, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ctx.saved_grads and not torch.is_grad_enabled():
+            return _scale_saved(ctx, grad_loss, needs_x, needs_w)
+        # Recompute: each token's incoming gradient is known only now (reduction "none"),
+        # or the gradients must themselves be differentiable (create_graph, torch.func).
+        if o.shard is not None and torch.is_grad_enabled():
             raise RuntimeError(
-                "TiedLinear.cross_entropy does not support a second backward through the same "
-                "loss (retain_graph=True): its gradients are computed in forward and scaled in "
-                "place by backward. Compute the loss again for another backward."
+                "TiedLinear.cross_entropy on a vocabulary-sharded weight does not support a "
+                "backward that builds a graph (create_graph=True, torch.func); compute the "
+                "logits with head(x) and take F.cross_entropy of them inside "
+                "torch.distributed.tensor.parallel.loss_parallel()"
             )
-        ctx.used = True
-        grad_x, grad_w = ctx.saved_tensors
-        # grad_loss has the loss's dtype, the accumulation dtype; it is not converted to a
-        # reduced input dtype first, for float16 cannot hold a loss scale such as 65536.
-        if grad_x is not None:
-            grad_x = grad_x.mul_(grad_loss).reshape(ctx.x_shape)
-        if grad_w is not None:
-            grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None, None, None, None
+        x, weight, target = ctx.saved_tensors[:3]
+        flat_target = target.reshape(-1)
+        keep = flat_target != o.ignore_index
+        # grad_loss has the loss's dtype, the accumulation dtype.
+        if o.reduction == "none":
+            row_weight = grad_loss.reshape(-1)
+        else:
+            row_weight = _loss_factor(grad_loss, keep, o).expand(keep.shape)
+        with torch.autocast(x.device.type, enabled=False):
+            _, grad_x, grad_w = _chunks(
+                x.reshape(flat_target.numel(), x.shape[-1]),
+                weight,
+                flat_target,
+                o,
+                row_weight=torch.where(keep, row_weight, 0.0),
+                want_x=needs_x,
+                want_w=needs_w,
+            )
+        return (
+            None if grad_x is None else grad_x.reshape(ctx.x_shape).to(ctx.x_dtype),
+            None if grad_w is None else grad_w.to(ctx.weight_dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+    @staticmethod
+    def vmap(
+        info: _BatchInfo, in_dims: tuple[object, ...], *args: object
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[int, int, int]]:
+        # One call per batch entry: each is its own loss, with its own count of tokens.
+        outputs = []
+        for b in range(info.batch_size):
+            entry = map(functools.partial(_select, b), args, in_dims)
+            outputs.append(_LinearCrossEntropy.apply(*entry))  # type: ignore[no-untyped-call]
+        stacked = tuple(torch.stack([out[i] for out in outputs]) for i in range(3))
+        return stacked, (0,) * 3
+
+
+def _loss_factor(grad_loss: torch.Tensor, keep: torch.Tensor, o: _Options) -> torch.Tensor:
+    """What the gradient of one counted token's loss is multiplied by.
+
+    The incoming gradient, divided by the count for a mean: 0, not nan, when none is counted,
+    as in ``F.cross_entropy``.
+    """
+    if o.reduction == "sum":
+        return grad_loss
+    count = keep.sum()
+    return torch.where(count > 0, grad_loss / count.clamp(min=1), 0.0)
+
+
+def _scale_saved(
+    ctx: _Context, grad_loss: torch.Tensor, needs_x: bool, needs_w: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """Backward of a mean or sum: the saved unit-weight gradients, scaled in place."""
+    # The saved gradients are scaled in place, so that backward allocates no second (V, D)
+    # buffer; a second backward through the same graph would scale them again.
+    if ctx.used:
+        raise RuntimeError(
+            "TiedLinear.cross_entropy does not support a second backward through the same "
+            "loss (retain_graph=True): its gradients are computed in forward and scaled in "
+            "place by backward. Compute the loss again for another backward."
+        )
+    ctx.used = True
+    _, _, target, grad_x, grad_w = ctx.saved_tensors
+    o = ctx.options
+    acc = _accumulation_dtype(o.mm_dtype)
+    # The factor has the loss's dtype, the accumulation dtype: float16 cannot hold a loss
+    # scale such as 65536, nor the gradient of one token of a mean over thousands.
+    factor = _loss_factor(grad_loss, target != o.ignore_index, o)
+    if needs_x:  # widened, scaled and rounded a chunk at a time, in place
+        for start in range(0, grad_x.shape[0], o.chunk_size):
+            part = grad_x[start : start + o.chunk_size]
+            part.copy_(part.to(acc).mul_(factor))
+    return (
+        grad_x.reshape(ctx.x_shape).to(ctx.x_dtype) if needs_x else None,
+        grad_w.mul_(factor).to(ctx.weight_dtype) if needs_w else None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 def linear_cross_entropy(
@@ -249,34 +602,41 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
     chunk_size: int | None = None,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
-    """``F.cross_entropy(F.linear(x, weight).float(), target, ...)`` without the full logits.
+    """``F.cross_entropy`` of ``F.linear(x, weight)``, plus the z-loss, without the logits.
 
-    The loss has the accumulation dtype: float32 for bfloat16 and float16 inputs, otherwise
-    the input's. Arguments are checked before any work. With no gradient needed (grad mode
-    off, or neither ``x`` nor ``weight`` requiring grad) only the loss is computed.
+    With ``shard``, ``weight`` is this rank's rows of the vocabulary and the loss and x's
+    gradient are those of the whole vocabulary, reduced over the shard's group.
+
+    The logits are widened to float32 from bfloat16 and float16, and soft-capped. The loss
+    has the accumulation dtype: float32 when the products run in bfloat16 or float16,
+    otherwise their dtype. Arguments are checked before any work. With no gradient
+    needed (grad mode off, or neither ``x`` nor ``weight`` requiring grad) only the loss is
+    computed.
     """
-    _check_arguments(x, weight, target, reduction, label_smoothing, chunk_size)
+    _check_arguments(x, weight, target, reduction, label_smoothing, z_loss, softcap, chunk_size)
+    mm = _product_dtype(x, weight)
     target = target.long()
-    _check_targets(target, weight.shape[0], ignore_index)
-    num_tokens = target.numel()
     chunk = chunk_size or default_chunk_size(
-        num_tokens, weight.shape[0], _accumulation_dtype(x.dtype)
+        target.numel(), weight.shape[0], _accumulation_dtype(mm)
     )
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    o = _Options(
+        ignore_index,
+        reduction,
+        float(label_smoothing),
+        float(z_loss),
+        None if softcap is None else float(softcap),
+        chunk,
+        mm,
+        shard,
+    )
+    grad = torch.is_grad_enabled()
+    with torch.autocast(x.device.type, enabled=False):
         loss: torch.Tensor = _LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
-            x, weight, target, ignore_index, reduction, float(label_smoothing), chunk
-        )
-        return loss
-    return _chunks(
-        x.reshape(num_tokens, x.shape[-1]),
-        weight,
-        target.reshape(-1),
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=float(label_smoothing),
-        chunk_size=chunk,
-        grad_x=None,
-        grad_w=None,
-    )
+            x, weight, target, o, grad and x.requires_grad, grad and weight.requires_grad
+        )[0]
+    return loss

@@ -6,12 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.nn._cross_entropy import linear_cross_entropy
+from toolkit.nn._cross_entropy import VocabShard, linear_cross_entropy
 from toolkit.nn._tied_linear_diagnosis import (
     _describe,
     _dtensor_cross_entropy_error,
     _explain_failure,
     _is_dtensor,
+    _resharded_by_fsdp,
 )
 
 __all__ = ["TiedLinear"]
@@ -223,56 +224,74 @@ class TiedLinear:
         ignore_index: int = -100,
         reduction: str = "mean",
         label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        softcap: float | None = None,
         chunk_size: int | None = None,
     ) -> torch.Tensor:
         """The cross-entropy of ``self(x)`` against ``target``, without the full logits.
 
         Equal to ``F.cross_entropy(self(x), target, ...)`` over the flattened tokens, with
-        the logits widened to float32 for bfloat16 and float16 inputs, and its gradients,
-        but computed a chunk of tokens at a time: each chunk's logits are turned into its
-        loss and, when a gradient is needed, into its share of the gradients of ``x`` and
-        of the tied weight, in the forward pass, in two reused buffers (the logits and
-        their softmax). At most one chunk's logits exist at once, so a long sequence over
-        a large vocabulary needs a fraction of the plain path's memory, in the same matrix
-        products. Backward only scales the saved gradients. With no gradient needed
-        (``torch.no_grad()``, or neither ``x`` nor the weight requiring grad), only the
-        loss is computed.
+        the logits widened to float32 from bfloat16 and float16, and its gradients, but
+        computed a chunk of tokens at a time in two reused buffers (the logits and their
+        softmax): at most one chunk's logits exist at once, so a long sequence over a large
+        vocabulary needs a fraction of the plain path's memory, in the same matrix
+        products. For a mean or a sum the gradients of ``x`` and of the tied weight are
+        computed in the forward pass and only scaled by backward, in float32, so a float16
+        loss scale is applied before anything is rounded to float16. For
+        ``reduction="none"``, and for a backward that builds a graph
+        (``create_graph=True``, ``torch.func.grad``, ``jacrev``), backward recomputes the
+        chunks; second-order gradients are the plain path's. ``torch.func.vmap`` takes one
+        loss per entry; forward-mode AD is not supported. With no gradient needed, only
+        the loss is computed.
 
         The weight is read live, as by ``__call__``, and its gradient flows to
         ``tied_module``, so a tied embedding receives the sum of the lookup and head
-        gradients. Hooks on ``linear`` are not called: the logits they would see never
-        exist. bfloat16 and float16 inputs are multiplied in their dtype, like
-        ``self(x)``, and accumulated in float32; the loss is float32 for them and has the
-        input's dtype otherwise.
+        gradients. Hooks on ``linear`` are not called: the logits never exist. The
+        products run in the dtype ``self(x)`` runs them in, under autocast too, and
+        accumulate in float32 for bfloat16 and float16; the loss is float32 for them and
+        has the products' dtype otherwise. It compiles with ``torch.compile(fullgraph=True)``,
+        where an out-of-range target fails as an asynchronous assertion (RuntimeError).
 
         Under FSDP2 the weight must be unsharded when this runs: call it inside the
         forward of the unit that holds ``tied_module`` (such as the root), or register
         the method that calls it with
-        ``torch.distributed.fsdp.register_fsdp_forward_method``.
+        ``torch.distributed.fsdp.register_fsdp_forward_method``. Under tensor parallelism,
+        with the weight sharded on the vocabulary (``Shard(0)`` on a 1-D mesh, as
+        ``RowwiseParallel`` shards an embedding), each rank takes the logits of its own
+        rows and the ranks exchange only per-token statistics and x's gradient; ``x`` must
+        be the whole input on every rank (a DTensor is gathered first).
 
         Args:
             x: Input of shape (..., in_features).
             target: Class indices of an integer dtype, with ``x``'s leading shape.
             ignore_index: Target value that is not counted, as in ``F.cross_entropy``.
             reduction: ``"mean"`` over the counted tokens (nan when none is counted, as
-                in ``F.cross_entropy``) or ``"sum"``.
+                in ``F.cross_entropy``), ``"sum"``, or ``"none"``: each token's loss, in
+                ``target``'s shape, 0 where ignored.
             label_smoothing: Amount of smoothing in [0.0, 1.0], as in
                 ``F.cross_entropy``.
+            z_loss: Adds ``z_loss * logsumexp(logits) ** 2`` per counted token, reduced
+                as the loss is (PaLM's z-loss); 0.0 for none.
+            softcap: Replaces the logits with ``softcap * tanh(logits / softcap)`` before
+                the softmax and the z-loss (Gemma 2's soft-cap); None for none.
             chunk_size: Tokens per chunk, or None to bound each chunk's logits to
                 64 MiB (at least 16 tokens), and their softmax to as much again;
                 smaller chunks use less memory.
 
         Returns:
-            The scalar loss.
+            The loss: a scalar, or per token for ``reduction="none"``.
 
         Raises:
-            ValueError: If ``reduction``, ``label_smoothing`` or ``chunk_size`` is
-                invalid, or the shapes of ``x``, ``target`` and the weight disagree.
+            ValueError: If ``reduction``, ``label_smoothing``, ``z_loss``, ``softcap`` or
+                ``chunk_size`` is invalid, or the shapes of ``x``, ``target`` and the
+                weight disagree.
             TypeError: If ``target`` is not an integer tensor, or ``x`` is not a
-                floating-point tensor of the weight's dtype.
-            IndexError: If a counted target is outside ``[0, out_features)``.
-            RuntimeError: If the weight is a DTensor (FSDP2 resharded it, or tensor
-                parallelism shards the vocabulary); the message names the fix.
+                floating-point tensor of the weight's dtype (outside autocast).
+            IndexError: If a counted target is outside ``[0, out_features)`` (eagerly on
+                the CPU; elsewhere the check is asynchronous, as ``F.cross_entropy``'s).
+            RuntimeError: If the weight is a DTensor that FSDP2 resharded, or that is
+                sharded other than on the vocabulary of a 1-D mesh; the message names the
+                fix.
 
         Added in version v3.58.0.
 
@@ -286,19 +305,57 @@ class TiedLinear:
             >>> loss = head.cross_entropy(x, target, chunk_size=3)
             >>> torch.allclose(loss, F.cross_entropy(head(x), target))
             True
+            >>> capped = 30.0 * torch.tanh(head(x) / 30.0)
+            >>> per_token = head.cross_entropy(x, target, reduction="none", softcap=30.0)
+            >>> torch.allclose(per_token, F.cross_entropy(capped, target, reduction="none"))
+            True
         """
         weight: torch.Tensor = self.tied_module.weight  # type: ignore[assignment]
+        shard = None
         if _is_dtensor(weight):
-            raise _dtensor_cross_entropy_error(self, weight)
+            shard = _vocab_shard(weight)
+            if shard is None or _resharded_by_fsdp(self.tied_module, weight):
+                raise _dtensor_cross_entropy_error(self, weight)
+            weight = weight.to_local()  # type: ignore[attr-defined] # a DTensor here
+            x = _whole_input(x)
         return linear_cross_entropy(
             x,
             weight,
             target,
+            shard=shard,
             ignore_index=ignore_index,
             reduction=reduction,
             label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            softcap=softcap,
             chunk_size=chunk_size,
         )
+
+
+def _vocab_shard(weight: torch.Tensor) -> VocabShard | None:
+    """This rank's part of a weight sharded on the vocabulary on a 1-D mesh, or None.
+
+    ``Shard(0)`` is how ``RowwiseParallel`` shards an embedding; any other placement gives None.
+    """
+    from torch.distributed.tensor import Shard  # noqa: PLC0415 - needs distributed
+
+    mesh, placements = weight.device_mesh, tuple(weight.placements)  # type: ignore[attr-defined]
+    if mesh.ndim != 1 or placements != (Shard(0),):
+        return None
+    # Shard(0) splits as torch.chunk does: ceil(V / n) rows a rank, the last ranks fewer.
+    vocab = weight.shape[0]
+    per_rank = -(-vocab // mesh.size())
+    return VocabShard(mesh.get_group(), min(mesh.get_local_rank() * per_rank, vocab), vocab)
+
+
+def _whole_input(x: torch.Tensor) -> torch.Tensor:
+    """The whole input on this rank: a DTensor (sharded on the sequence, say) is gathered."""
+    if not _is_dtensor(x):
+        return x
+    from torch.distributed.tensor import Replicate  # noqa: PLC0415 - needs distributed
+
+    ndim = x.device_mesh.ndim  # type: ignore[attr-defined] # a DTensor here
+    return x.redistribute(placements=[Replicate()] * ndim).to_local()  # type: ignore[attr-defined,no-any-return]
 
 
 def _missing_weight_error(tied_module: object) -> AttributeError:

@@ -103,15 +103,17 @@ def _sharded_weight_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
 
 
 def _dtensor_cross_entropy_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
-    """The error for ``cross_entropy`` on a weight that is a DTensor."""
+    """The error for ``cross_entropy`` on a DTensor weight it cannot take."""
     tied = _describe(tl.tied_module)
     placements = weight.placements  # type: ignore[attr-defined] # a DTensor here
     return RuntimeError(
         f"TiedLinear.cross_entropy cannot use the weight of the tied module {tied}: it is a "
         f"DTensor with placements {tuple(placements)}, and the chunked loss needs the whole "
-        "vocabulary on every rank. Under FSDP2, call cross_entropy inside the forward of the "
+        "vocabulary on every rank, or the vocabulary sharded by tensor parallelism on a "
+        "1-D mesh (Shard(0)). Under FSDP2, call cross_entropy inside the forward of the "
         "unit that holds the tied module, or register the method that calls it with "
         "torch.distributed.fsdp.register_fsdp_forward_method(model, 'method_name'). Under "
-        "tensor parallelism, compute the logits with head(x) and take F.cross_entropy of "
-        "them inside torch.distributed.tensor.parallel.loss_parallel()."
+        "tensor parallelism, shard the tied module on the vocabulary (RowwiseParallel on "
+        "an embedding) on the tensor-parallel mesh, or compute the logits with head(x) and "
+        "take F.cross_entropy of them inside torch.distributed.tensor.parallel.loss_parallel()."
     )
