@@ -284,6 +284,20 @@ def test_a_submodule_of_a_sharded_model_is_refused_for_its_dtensors() -> None:
 
 
 @pytest.mark.usefixtures("one_rank")
+def test_the_model_inside_ddp_and_an_empty_dict_of_a_sharded_model_are_not_recognised() -> None:
+    """What the docstrings say cannot be refused: nothing marks these as wrapped."""
+    model = Model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ddp = DistributedDataParallel(model)
+    assert create_entries(ddp.module, ["heads.a.weight"]) == ["heads.a"]
+    sharded = Model()
+    fully_shard(sharded)
+    assert create_entries(sharded.heads, ["b.weight"]) == ["b"]
+    assert sync_entries(sharded.outer) == []
+
+
+@pytest.mark.usefixtures("one_rank")
 def test_on_one_rank_sync_entries_creates_nothing_and_keeps_the_values() -> None:
     model = Model()
     model.heads["a"]
