@@ -239,7 +239,7 @@ def test_a_conversion_that_fails_on_the_probes_runs_and_then_a_miss_raises(start
     assert heads._apply(lambda t: t.reshape(2)) is heads
     assert heads["kept"].weight.shape == (2,)
     heads.to(start)  # a conversion afterwards cannot tell where entries would be either
-    with pytest.raises(RuntimeError, match="^ModuleDefaultDict cannot place a new entry") as info:
+    with pytest.raises(RuntimeError, match=r"^ModuleDefaultDict cannot place a new entry") as info:
         heads["a"]
     assert "shape '[2]' is invalid" in str(info.value)
     assert "Create the entries before such a conversion" in str(info.value)
