@@ -159,13 +159,24 @@ def test_keys_without_the_prefix_they_need_are_an_error_naming_it(prefix: str) -
     keys = ["model.heads.a.weight", "model.trunk.weight", "model.outer.x.proj.bias", "step"]
     message = _no_match(Model(), keys, prefix)
     assert f"prefix {prefix!r}" in message
+    assert "a resume would restore nothing" in message
     assert message.endswith("pass prefix='model.'")
 
 
 def test_the_prefix_named_is_the_one_most_keys_share() -> None:
     keys = ["step", "ema.heads.a.weight", "model.trunk.bias", "model.heads.b.weight"]
     assert _no_match(Model(), keys).endswith("pass prefix='model.'")
-    assert _no_match(Model(), keys[:2]).endswith("pass prefix='ema.'")
+    keys = ["step", "model.heads.a.weight", "ema.trunk.bias", "ema.heads.b.weight"]
+    assert _no_match(Model(), keys).endswith("pass prefix='ema.'")
+
+
+def test_keys_saved_without_a_prefix_are_an_error_naming_the_empty_prefix() -> None:
+    message = _no_match(Model(), ["heads.a.weight", "trunk.weight"], "model.")
+    assert message.endswith("pass prefix=''")
+
+
+def test_a_key_naming_a_tensor_of_the_module_itself_matches() -> None:
+    assert create_entries(nn.Linear(2, 2), ["weight", "model.weight"]) == []
 
 
 def test_keys_of_another_model_are_an_error_naming_no_prefix() -> None:

@@ -225,6 +225,14 @@ def test_a_conversion_that_needs_data_is_learnt_on_the_cpu_from_meta() -> None:
     )
 
 
+def test_under_a_meta_default_device_a_move_to_the_cpu_is_learnt_on_the_cpu() -> None:
+    """The first probe is on the default device, meta; the second on the CPU itself."""
+    with torch.device("meta"):
+        heads = ModuleDefaultDict(Head)
+        heads.to("cpu")
+    assert heads["a"].proj.weight.device == torch.device("cpu")
+
+
 def test_a_conversion_of_the_values_is_learnt_from_probes_with_values() -> None:
     """Empty probes made t / t.abs().max() raise; it keeps floating dtypes, makes ints float."""
     normalise = EntryPlacement().after(lambda t: t / t.abs().max())
@@ -241,7 +249,7 @@ def test_a_conversion_that_fails_on_the_probes_runs_and_then_a_miss_raises(start
     heads.to(start)  # a conversion afterwards cannot tell where entries would be either
     with pytest.raises(RuntimeError, match=r"^ModuleDefaultDict cannot place a new entry") as info:
         heads["a"]
-    assert "shape '[2]' is invalid" in str(info.value)
+    assert "(RuntimeError: shape '[2]' is invalid" in str(info.value)
     assert "Create the entries before such a conversion" in str(info.value)
     assert list(heads) == ["kept"]
     heads["b"] = Head()  # inserting a module is unaffected

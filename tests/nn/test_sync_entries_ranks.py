@@ -28,6 +28,7 @@ from tests.nn.distributed.entries_checks import Heads as Model
 from tests.nn.distributed.entries_checks import Inner, _state
 from tests.nn.threads import run_ranks
 from toolkit.nn import ModuleDefaultDict, sync_entries
+from toolkit.nn._entries import _BUILD_ALIKE
 
 
 def _entry_names(model: Model) -> dict[str, list[str]]:
@@ -385,7 +386,7 @@ def test_an_entry_of_another_dtype_on_some_rank_is_refused_everywhere_changing_n
     assert message.startswith("sync_entries: ")
     for fact in ("entry heads.a", "torch.bfloat16", "rank 0", "torch.float32", "rank 1", "rank 2"):
         assert fact in message, fact
-    assert "build the entries alike on every rank" in message
+    assert message.endswith(f"; {_BUILD_ALIKE}")
     assert "only" not in message
     _assert_unchanged(before, after)
 
@@ -396,9 +397,15 @@ def test_an_entry_of_another_dtype_on_some_rank_is_refused_everywhere_changing_n
         # The same number of bytes in another shape.
         (
             (lambda: nn.Linear(3, 2, bias=False), lambda: nn.Linear(2, 3, bias=False)),
-            ["weight", "(2, 3) on rank 0", "(3, 2) on rank 1"],
+            [
+                "entry heads.a: weight is torch.float32 of shape (2, 3) on rank 0 but "
+                "torch.float32 of shape (3, 2) on rank 1"
+            ],
         ),
-        ((Model().heads.default_factory, lambda: nn.Linear(2, 2, bias=False)), ["bias", "missing"]),
+        (
+            (Model().heads.default_factory, lambda: nn.Linear(2, 2, bias=False)),
+            ["bias", "but missing on rank 1"],
+        ),
         ((Model().heads.default_factory, lambda: nn.Linear(2, 4)), ["(4, 2)", "bias", "(4,)"]),
     ],
     ids=["shape", "missing-tensor", "size"],
@@ -434,8 +441,9 @@ def test_an_entry_created_in_another_dtype_is_refused_and_every_created_entry_re
 
     message, before, after = _refused_alike(build, 2)
     assert message.startswith("sync_entries created no entry: ")
-    for fact in ("entry heads.a", "entry heads.b", "torch.bfloat16", "torch.float32"):
+    for fact in ("entry heads.a", "; entry heads.b", "torch.bfloat16", "torch.float32"):
         assert fact in message, fact
+    assert message.endswith(f"; {_BUILD_ALIKE}")
     _assert_unchanged(before, after)
 
 
@@ -473,8 +481,10 @@ def test_an_entry_under_two_names_is_refused_on_every_rank() -> None:
         return model
 
     message, before, after = _refused_alike(build, 2)
-    assert message.startswith("sync_entries: rank 0: ")
-    assert "heads.a and heads.b are one module" in message
+    assert message == (
+        "sync_entries: rank 0: heads.a and heads.b are one module; the ranks that lack it "
+        "would create a separate module for each name: register each entry under one name"
+    )
     _assert_unchanged(before, after)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -81,7 +82,7 @@ def create_entries(module: nn.Module, keys: Iterable[str], *, prefix: str = "") 
     if problem is not None:
         raise ValueError(f"create_entries: {problem}")
     keys = list(keys)  # read twice
-    names = set(module.state_dict(keep_vars=True))
+    names = set(module.state_dict())
     stripped = [key[len(prefix) :] for key in keys if key.startswith(prefix)]
     if keys and not any(_matches(module, names, key) for key in stripped):
         raise ValueError(_no_match(module, names, keys, prefix))
@@ -104,7 +105,7 @@ def _matches(module: nn.Module, names: set[str], key: str) -> bool:
     An entry is named if one of the dicts of ``module`` has it or could create it.
     """
     parts = key.split(".")
-    if any(".".join(parts[:end]) in names for end in range(1, len(parts) + 1)):
+    if any(name in names for name in itertools.accumulate(parts, "{}.{}".format)):
         return True
     parent = module
     for part in parts[:-1]:  # an entry's name has a further part after it
@@ -123,12 +124,7 @@ def _matches(module: nn.Module, names: set[str], key: str) -> bool:
 
 def _no_match(module: nn.Module, names: set[str], keys: list[str], prefix: str) -> str:
     """The error for keys of which not one matches ``module`` once ``prefix`` is removed."""
-    shared: dict[str, int] = {}
-    for key in keys:
-        for end in (0, *(i + 1 for i, char in enumerate(key) if char == ".")):
-            if _matches(module, names, key[end:]):
-                shared[key[:end]] = shared.get(key[:end], 0) + 1
-                break
+    shared = Counter(p for p in (_prefix_of(module, names, key) for key in keys) if p is not None)
     message = (
         f"create_entries: not one of the {len(keys)} keys, such as {keys[0]!r}, names a "
         f"parameter, buffer or entry of the module once the prefix {prefix!r} is removed, so "
@@ -138,6 +134,12 @@ def _no_match(module: nn.Module, names: set[str], keys: list[str], prefix: str) 
         return f"{message}; pass the keys of a checkpoint of this model"
     best = max(shared, key=shared.__getitem__)
     return f"{message}; the keys name it under the prefix {best!r}: pass prefix={best!r}"
+
+
+def _prefix_of(module: nn.Module, names: set[str], key: str) -> str | None:
+    """The shortest prefix whose removal makes ``key`` match ``module``, if there is one."""
+    ends = (0, *(i + 1 for i, char in enumerate(key) if char == "."))
+    return next((key[:end] for end in ends if _matches(module, names, key[end:])), None)
 
 
 def _create_under(module: nn.Module, path: str, keys: list[str], created: list[str]) -> None:
@@ -260,6 +262,11 @@ def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> l
     return created
 
 
+_BUILD_ALIKE = (
+    "values cannot be copied between such tensors: build the entries alike on every rank, with "
+    "the same factory and the model cast alike before they are created"
+)
+
 # An entry's parameters and buffers: name within the entry -> (dtype, shape).
 _Signature = dict[str, tuple[str, tuple[int, ...]]]
 
@@ -293,11 +300,7 @@ def _differences(
             )
     if not found:
         return ""
-    return (
-        "; ".join(found) + ". Values cannot be copied between tensors of different names, "
-        "shapes or dtypes: build the entries alike on every rank (the same factory, and the "
-        "model cast alike before the entries are created)"
-    )
+    return "; ".join(found) + f"; {_BUILD_ALIKE}"
 
 
 def _wrapped(module: nn.Module) -> str | None:

@@ -89,8 +89,8 @@ class TiedLinearParallel(ParallelStyle):
         super().__init__()
         self.input_layouts = (input_layouts or Replicate(),)
         self.output_layouts = (output_layouts or Shard(-1),)
-        if use_local_output:
-            _check_local_output(self.output_layouts[0])
+        if use_local_output and self.output_layouts == (Shard(-1),):
+            raise ValueError(_local_vocabulary(Shard(-1)))
         # The head multiplies a replicated input by the vocabulary rows of this rank.
         self.desired_input_layouts = (Replicate(),)
         self.use_local_output = use_local_output
@@ -126,8 +126,10 @@ class TiedLinearParallel(ParallelStyle):
         outputs: DTensor,
         device_mesh: DeviceMesh,
     ) -> object:
-        if use_local_output:
-            _check_local_output(output_layouts[0], outputs.ndim)
+        layout = output_layouts[0]
+        last = outputs.ndim - 1
+        if use_local_output and isinstance(layout, Shard) and layout.dim % outputs.ndim == last:
+            raise ValueError(_local_vocabulary(layout))
         if outputs.placements != output_layouts:
             outputs = outputs.redistribute(placements=output_layouts, async_op=True)
         return outputs.to_local() if use_local_output else outputs
@@ -159,16 +161,12 @@ class TiedLinearParallel(ParallelStyle):
         )
 
 
-def _check_local_output(layout: Placement, ndim: int = 0) -> None:
-    """Refuse a plain local tensor of logits sharded on the vocabulary, the last of ``ndim``.
-
-    Before the call, without ``ndim``, only ``Shard(-1)`` is known to be the vocabulary.
-    """
-    if isinstance(layout, Shard) and layout.dim in (-1, ndim - 1):
-        raise ValueError(
-            f"TiedLinearParallel(use_local_output=True, output_layouts={layout!r}) would return "
-            "this rank's slice of the vocabulary as a plain tensor, and a loss computed on it "
-            "is silently wrong. Keep use_local_output=False and compute the loss inside "
-            "torch.distributed.tensor.parallel.loss_parallel(), or pass "
-            "output_layouts=Replicate() for the full logits"
-        )
+def _local_vocabulary(layout: Shard) -> str:
+    """The error for a plain local tensor of logits sharded on the vocabulary by ``layout``."""
+    return (
+        f"TiedLinearParallel(use_local_output=True, output_layouts={layout!r}) would return "
+        "this rank's slice of the vocabulary as a plain tensor, and a loss computed on it "
+        "is silently wrong. Keep use_local_output=False and compute the loss inside "
+        "torch.distributed.tensor.parallel.loss_parallel(), or pass "
+        "output_layouts=Replicate() for the full logits"
+    )
