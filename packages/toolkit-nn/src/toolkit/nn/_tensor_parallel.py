@@ -58,11 +58,11 @@ class TiedLinearParallel(ParallelStyle):
             the vocabulary it is refused.
 
     Raises:
+        TypeError: If applied to anything but a TiedLinear's ``linear`` module.
         ValueError: If ``use_local_output`` is True and the logits are sharded on the
             vocabulary, their last dimension: at construction for ``Shard(-1)``, the
             default, and at the head's call for a ``Shard`` of the last dimension counted
             from the front.
-        TypeError: If applied to anything but a TiedLinear's ``linear`` module.
         RuntimeError: At the head's call, if the tied module's weight is not a DTensor: the
             tied module was not parallelised on the mesh.
 
