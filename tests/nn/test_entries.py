@@ -84,7 +84,13 @@ def test_the_module_itself_can_be_the_dict() -> None:
 
 def test_names_that_cannot_be_entries_and_closed_dicts_create_nothing() -> None:
     model = Model()
-    keys = ["heads.training.weight", "heads.weight", "closed.new.weight", "trunk.x.weight"]
+    keys = [
+        "trunk.weight",  # without a key that matches, the call raises (tested below)
+        "heads.training.weight",
+        "heads.weight",
+        "closed.new.weight",
+        "trunk.x.weight",
+    ]
     assert create_entries(model, keys) == []
     assert list(model.heads) == []
     assert list(model.closed) == ["kept"]
@@ -109,6 +115,79 @@ def test_created_entries_follow_the_dict() -> None:
     assert not model.heads["a"].training
 
 
+class WithExtraState(nn.Module):
+    """A module whose state dict holds a dict, which DCP flattens into keys below its name."""
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"step": 3}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        pass
+
+
+def test_keys_that_match_only_the_trunk_create_nothing_and_raise_nothing() -> None:
+    model = Model()
+    model.extra = WithExtraState()
+    keys = ["model.trunk.weight", "model.extra._extra_state.step", "step"]
+    assert create_entries(model, keys, prefix="model.") == []
+    assert create_entries(model, keys[1:], prefix="model.") == []
+    assert create_entries(model, []) == []
+
+
+def test_a_key_naming_an_existing_entry_matches_whatever_follows() -> None:
+    model = Model()
+    model.heads["a"]
+    assert create_entries(model, ["heads.a.renamed_weight"]) == []
+
+
+def _entry_names(model: nn.Module) -> dict[str, list[str]]:
+    return {name: list(d) for name, d in model.named_modules() if isinstance(d, ModuleDefaultDict)}
+
+
+def _no_match(model: nn.Module, keys: list[str], prefix: str = "") -> str:
+    before = _entry_names(model)
+    with pytest.raises(ValueError, match=r"^create_entries: ") as info:
+        create_entries(model, keys, prefix=prefix)
+    assert _entry_names(model) == before
+    return str(info.value)
+
+
+@pytest.mark.parametrize("prefix", ["", "module."])
+def test_keys_without_the_prefix_they_need_are_an_error_naming_it(prefix: str) -> None:
+    """The keys of ``dcp.save({"model": sd, "step": 3})``: not one names part of the model
+    until "model." is removed, and a resume would silently lose every entry."""
+    keys = ["model.heads.a.weight", "model.trunk.weight", "model.outer.x.proj.bias", "step"]
+    assert _no_match(Model(), keys, prefix) == (
+        "create_entries: not one of the 4 keys, such as 'model.heads.a.weight', names a "
+        f"parameter, buffer or entry of the module once the prefix {prefix!r} is removed, so a "
+        "resume would restore nothing of it; the keys name it under the prefix 'model.': "
+        "pass prefix='model.'"
+    )
+
+
+def test_the_prefix_named_is_the_one_most_keys_share() -> None:
+    keys = ["step", "ema.heads.a.weight", "model.trunk.bias", "model.heads.b.weight"]
+    assert _no_match(Model(), keys).endswith("pass prefix='model.'")
+    keys = ["step", "model.heads.a.weight", "ema.trunk.bias", "ema.heads.b.weight"]
+    assert _no_match(Model(), keys).endswith("pass prefix='ema.'")
+
+
+def test_keys_saved_without_a_prefix_are_an_error_naming_the_empty_prefix() -> None:
+    message = _no_match(Model(), ["heads.a.weight", "trunk.weight"], "model.")
+    assert message.endswith("pass prefix=''")
+
+
+def test_a_key_naming_a_tensor_of_the_module_itself_matches() -> None:
+    assert create_entries(nn.Linear(2, 2), ["weight", "model.weight"]) == []
+
+
+def test_keys_of_another_model_are_an_error_naming_no_prefix() -> None:
+    message = _no_match(Model(), ["model.encoder.weight", "model.closed.new.weight"], "model.")
+    assert "'model.encoder.weight'" in message
+    assert "prefix=" not in message
+    assert message.endswith("pass the keys of a checkpoint of this model")
+
+
 # A DCP resume in one process ----------------------------------------------------------------
 
 
@@ -128,11 +207,13 @@ def test_a_dcp_resume_into_a_fresh_model_restores_every_entry(tmp_path: Path) ->
     torch.manual_seed(0)
     trained = Model()
     _train(trained)
-    dcp.save({"model": trained.state_dict()}, checkpoint_id=tmp_path)
+    dcp.save({"model": trained.state_dict(), "step": 3}, checkpoint_id=tmp_path)
 
     torch.manual_seed(1)
     fresh = Model()
     metadata = dcp.FileSystemReader(tmp_path).read_metadata()
+    with pytest.raises(ValueError, match=r"pass prefix='model\.'$"):
+        create_entries(fresh, metadata.state_dict_metadata)
     created = create_entries(fresh, metadata.state_dict_metadata, prefix="model.")
     assert created == ["heads.alpha", "heads.beta", "outer.x", "outer.x.inner.y"]
     state = {"model": fresh.state_dict()}
@@ -216,6 +297,20 @@ def test_a_submodule_of_a_sharded_model_is_refused_for_its_dtensors() -> None:
 
 
 @pytest.mark.usefixtures("one_rank")
+def test_the_model_inside_ddp_and_an_empty_dict_of_a_sharded_model_are_not_recognised() -> None:
+    """What the docstrings say cannot be refused: nothing marks these as wrapped."""
+    model = Model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ddp = DistributedDataParallel(model)
+    assert create_entries(ddp.module, ["heads.a.weight"]) == ["heads.a"]
+    sharded = Model()
+    fully_shard(sharded)
+    assert create_entries(sharded.heads, ["b.weight"]) == ["b"]
+    assert sync_entries(sharded.outer) == []
+
+
+@pytest.mark.usefixtures("one_rank")
 def test_on_one_rank_sync_entries_creates_nothing_and_keeps_the_values() -> None:
     model = Model()
     model.heads["a"]
@@ -244,7 +339,7 @@ def test_a_non_contiguous_parameter_is_sent_through_a_contiguous_copy(
     model = Model()
     model.heads["a"].weight = nn.Parameter(torch.arange(4.0).reshape(2, 2).t())
     assert sync_entries(model) == []
-    assert sent == [(2, 2), (2,)] * 2  # heads.a, then closed.kept
+    assert sent == [(2,), (2, 2)] * 2  # in name order: closed.kept, heads.a; bias, weight
     weight = model.heads["a"].weight
     assert not weight.is_contiguous()
     assert torch.equal(weight, torch.tensor([[0.0, 2.0], [1.0, 3.0]]))

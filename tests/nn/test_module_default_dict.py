@@ -425,6 +425,34 @@ def test_without_a_factory_it_behaves_like_module_dict(name: str) -> None:
         assert ours == expected
 
 
+# Conversions that nn.ModuleDict survives: where the dict cannot learn where later entries go,
+# the conversion runs all the same (test_module_default_dict_lifecycle.py tests the entries).
+CONVERSIONS_MODULE_DICT_SURVIVES: dict[str, Callable[[nn.ModuleDict], object]] = {
+    "meta-then-cpu": lambda d: d.to("meta").to("cpu"),
+    "apply-normalise": lambda d: d._apply(lambda t: t / t.abs().max()),
+    "apply-reshape": lambda d: d._apply(lambda t: t.reshape(2, 2)),
+    "cuda": lambda d: d.to("cuda"),  # with or without a CUDA device
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSIONS_MODULE_DICT_SURVIVES))
+@pytest.mark.parametrize("entry", [False, True], ids=["empty", "with-entry"])
+def test_a_conversion_succeeds_or_fails_as_on_module_dict(name: str, entry: bool) -> None:
+    outcomes = []
+    for d in _both():
+        if entry:
+            d["first"] = nn.Linear(2, 2, bias=False)
+        outcome = _outcome(CONVERSIONS_MODULE_DICT_SURVIVES[name], d)
+        # The error, or that it returned (the dict itself); the entry's tensors, not its
+        # identity: each dict holds its own.
+        tensors = [(k, v.dtype, v.device, v.shape) for k, v in d.state_dict().items()]
+        outcomes.append((outcome[:3] if outcome[0] == "raised" else "returned", tensors))
+    expected, ours = outcomes
+    assert ours == expected
+    if not entry:
+        assert expected[0] == "returned"
+
+
 def test_insertion_order_matches_module_dict() -> None:
     keys = ["q", "b", "z", "a"]
     plain, ours = nn.ModuleDict(), ModuleDefaultDict(Counter)

@@ -197,6 +197,65 @@ def test_a_conversion_that_fails_changes_where_entries_go_in_no_way() -> None:
     assert model.heads["a"].proj.weight.device == torch.device("meta")
 
 
+@pytest.mark.parametrize(
+    ("then", "dtype"), [("cpu", torch.float32), (torch.float64, torch.float64)], ids=str
+)
+def test_an_empty_dict_moved_to_meta_and_back_creates_entries_off_meta(
+    then: Any, dtype: torch.dtype
+) -> None:
+    """nn.ModuleDict survives .to("cpu") from meta when it holds no tensors; so does the dict,
+    and its new entries are where .to puts a tensor with data."""
+    heads = ModuleDefaultDict(Head)
+    heads.to("meta").to("cpu") if then == "cpu" else heads.to("meta").to("cpu", then)
+    entry = heads["a"]
+    assert (entry.proj.weight.device, entry.proj.weight.dtype) == (torch.device("cpu"), dtype)
+    assert entry.steps.dtype == torch.long
+
+
+def test_a_conversion_that_needs_data_is_learnt_on_the_cpu_from_meta() -> None:
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    on_meta = EntryPlacement(device=meta, dtype=torch.float16)
+    assert on_meta.after(lambda t: t.to("cpu")) == EntryPlacement(cpu, torch.float16)
+    assert on_meta.after(lambda t: t.to("cpu", torch.float64)) == EntryPlacement(
+        cpu, torch.float64, torch.float64
+    )
+    # It needs data, so it cannot leave a tensor on meta: the CPU probe's device is taken.
+    assert on_meta.after(lambda t: t.clone() if t.sum() > 0 else t) == EntryPlacement(
+        cpu, torch.float16
+    )
+
+
+def test_under_a_meta_default_device_a_move_to_the_cpu_is_learnt_on_the_cpu() -> None:
+    """The first probe is on the default device, meta; the second on the CPU itself."""
+    with torch.device("meta"):
+        heads = ModuleDefaultDict(Head)
+        heads.to("cpu")
+    assert heads["a"].proj.weight.device == torch.device("cpu")
+
+
+def test_a_conversion_of_the_values_is_learnt_from_probes_with_values() -> None:
+    """Empty probes made t / t.abs().max() raise; it keeps floating dtypes, makes ints float."""
+    normalise = EntryPlacement().after(lambda t: t / t.abs().max())
+    assert normalise == EntryPlacement(other_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("start", ["cpu", "meta"])
+def test_a_conversion_that_fails_on_the_probes_runs_and_then_a_miss_raises(start: str) -> None:
+    """The probes hold one element: a reshape to two fails on them, not on the entry."""
+    heads = ModuleDefaultDict(Head).to(start)
+    heads["kept"] = nn.Linear(2, 1, bias=False).to(start)
+    assert heads._apply(lambda t: t.reshape(2)) is heads
+    assert heads["kept"].weight.shape == (2,)
+    heads.to(start)  # a conversion afterwards cannot tell where entries would be either
+    with pytest.raises(RuntimeError, match=r"^ModuleDefaultDict cannot place a new entry") as info:
+        heads["a"]
+    assert "(RuntimeError: shape '[2]' is invalid" in str(info.value)
+    assert "Create the entries before such a conversion" in str(info.value)
+    assert list(heads) == ["kept"]
+    heads["b"] = Head()  # inserting a module is unaffected
+    assert list(heads) == ["kept", "b"]
+
+
 def test_a_late_entry_after_a_cast_runs_in_the_forward() -> None:
     model = Model().to(torch.float64)
     out = model(torch.randn(4, 3, dtype=torch.float64), "new")

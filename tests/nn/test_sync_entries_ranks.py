@@ -18,6 +18,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,6 +28,7 @@ from tests.nn.distributed.entries_checks import Heads as Model
 from tests.nn.distributed.entries_checks import Inner, _state
 from tests.nn.threads import run_ranks
 from toolkit.nn import ModuleDefaultDict, sync_entries
+from toolkit.nn._entries import _BUILD_ALIKE
 
 
 def _entry_names(model: Model) -> dict[str, list[str]]:
@@ -330,3 +332,184 @@ def test_meta_tensors_on_every_rank_are_left_alone_and_the_names_synchronised() 
         (["heads.b"], ["a", "b"], ["meta"] * 6),
         (["heads.a"], ["a", "b"], ["meta"] * 6),
     ]
+
+
+# Entries that differ between ranks, aliases and ranks outside the group ------------------------
+
+
+def _refused_alike(
+    build: Callable[[int], nn.Module], world_size: int
+) -> tuple[str, list[Any], list[Any]]:
+    """Run sync_entries on each rank's model; the one error, and the states before and after.
+
+    Every rank must raise the same ValueError, without a cause.
+    """
+    models = _models(build, world_size)
+    before = [(_state(m), {k: list(d) for k, d in _dicts(m).items()}) for m in models]
+
+    def rank_main(rank: int) -> tuple[tuple[str, str, str], Any]:
+        model = copy.deepcopy(models[rank])
+        return _refused(model), (_state(model), {k: list(d) for k, d in _dicts(model).items()})
+
+    results = run_ranks(world_size, rank_main)
+    errors = {error for error, _ in results}
+    assert len(errors) == 1, errors
+    kind, message, cause = errors.pop()
+    assert (kind, cause) == ("ValueError", "None")
+    return message, before, [after for _, after in results]
+
+
+def _dicts(model: nn.Module) -> dict[str, ModuleDefaultDict[Any]]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, ModuleDefaultDict)}
+
+
+def _assert_unchanged(before: list[Any], after: list[Any]) -> None:
+    for rank, ((state, names), (state_after, names_after)) in enumerate(
+        zip(before, after, strict=True)
+    ):
+        assert names_after == names, rank
+        _assert_states_equal(state_after, state)
+
+
+def test_an_entry_of_another_dtype_on_some_rank_is_refused_everywhere_changing_nothing() -> None:
+    """bfloat16 on rank 0, float32 on rank 1: the bytes would be reinterpreted."""
+
+    def build(rank: int) -> Model:
+        model = Model()
+        model.heads["a"]
+        model.heads["only" + str(rank)]  # the others would create it
+        if rank == 0:
+            model.heads["a"].bfloat16()
+        return model
+
+    message, before, after = _refused_alike(build, 3)
+    assert message.startswith("sync_entries: ")
+    for fact in ("entry heads.a", "torch.bfloat16", "rank 0", "torch.float32", "rank 1", "rank 2"):
+        assert fact in message, fact
+    assert message.endswith(f"; {_BUILD_ALIKE}")
+    assert "only" not in message
+    _assert_unchanged(before, after)
+
+
+@pytest.mark.parametrize(
+    ("entries", "facts"),
+    [
+        # The same number of bytes in another shape.
+        (
+            (lambda: nn.Linear(3, 2, bias=False), lambda: nn.Linear(2, 3, bias=False)),
+            [
+                "entry heads.a: weight is torch.float32 of shape (2, 3) on rank 0 but "
+                "torch.float32 of shape (3, 2) on rank 1"
+            ],
+        ),
+        (
+            (Model().heads.default_factory, lambda: nn.Linear(2, 2, bias=False)),
+            ["bias", "but missing on rank 1"],
+        ),
+        ((Model().heads.default_factory, lambda: nn.Linear(2, 4)), ["(4, 2)", "bias", "(4,)"]),
+    ],
+    ids=["shape", "missing-tensor", "size"],
+)
+def test_an_entry_of_another_shape_or_other_tensors_is_refused_naming_them(
+    entries: tuple[Callable[[], nn.Module], ...], facts: list[str]
+) -> None:
+    def build(rank: int) -> Model:
+        model = Model()
+        model.heads["a"] = entries[rank]()
+        if rank == 1:
+            model.outer["x"]  # rank 0 would create it
+        return model
+
+    message, before, after = _refused_alike(build, 2)
+    assert "entry heads.a" in message
+    for fact in facts:
+        assert fact in message, fact
+    _assert_unchanged(before, after)
+
+
+def test_an_entry_created_in_another_dtype_is_refused_and_every_created_entry_removed() -> None:
+    """Rank 1's dict was cast: it would create rank 0's "a" in bfloat16, and rank 0 its "b"
+    in float32. Only creating them shows it; both are removed again on every rank."""
+
+    def build(rank: int) -> Model:
+        model = Model()
+        model.outer["x"]
+        if rank == 1:
+            model.heads.bfloat16()
+        model.heads["ab"[rank]]
+        return model
+
+    message, before, after = _refused_alike(build, 2)
+    assert message.startswith("sync_entries created no entry: ")
+    for fact in ("entry heads.a", "; entry heads.b", "torch.bfloat16", "torch.float32"):
+        assert fact in message, fact
+    assert message.endswith(f"; {_BUILD_ALIKE}")
+    _assert_unchanged(before, after)
+
+
+def test_tensors_registered_in_another_order_are_matched_by_name() -> None:
+    class Pair(nn.Module):
+        def __init__(self, flip: bool) -> None:
+            super().__init__()
+            names = ["q", "p"] if flip else ["p", "q"]
+            for name in names:
+                self.register_parameter(name, nn.Parameter(torch.randn(2 if name == "p" else 3)))
+
+    def build(rank: int) -> nn.Module:
+        heads = ModuleDefaultDict(None, {"a": Pair(flip=rank == 1)})
+        return heads
+
+    models = _models(build, 2)
+    expected = _state(models[0])
+
+    def rank_main(rank: int) -> dict[str, torch.Tensor]:
+        heads = copy.deepcopy(models[rank])
+        sync_entries(heads)
+        return _state(heads)
+
+    for state in run_ranks(2, rank_main):
+        assert {k: v.tolist() for k, v in state.items()} == {
+            k: v.tolist() for k, v in expected.items()
+        }
+
+
+def test_an_entry_under_two_names_is_refused_on_every_rank() -> None:
+    def build(rank: int) -> Model:
+        model = Model()
+        if rank == 0:
+            model.heads["b"] = model.heads["a"]
+        return model
+
+    message, before, after = _refused_alike(build, 2)
+    assert message == (
+        "sync_entries: rank 0: heads.a and heads.b are one module; the ranks that lack it "
+        "would create a separate module for each name: register each entry under one name"
+    )
+    _assert_unchanged(before, after)
+
+
+def test_a_rank_outside_the_group_is_refused_without_entering_its_collectives() -> None:
+    """Ranks 0 and 1 synchronise in their group; rank 2, not in it, is told so at once."""
+
+    def build(rank: int) -> Model:
+        model = Model()
+        model.heads["abc"[rank]]
+        return model
+
+    models = _models(build, 3)
+
+    def rank_main(rank: int) -> tuple[str, list[str]]:
+        pair = dist.new_group([0, 1])
+        model = copy.deepcopy(models[rank])
+        try:
+            outcome = str(sync_entries(model, group=pair))
+        except ValueError as error:
+            outcome = str(error)
+        return outcome, list(model.heads)
+
+    results = run_ranks(3, rank_main)
+    assert results[:2] == [("['heads.b']", ["a", "b"]), ("['heads.a']", ["a", "b"])]
+    message, names = results[2]
+    assert names == ["c"]
+    assert "rank 2 of the default group, is not a rank of the group" in message
+    assert "call sync_entries on the ranks of the group only" in message

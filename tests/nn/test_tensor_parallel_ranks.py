@@ -210,19 +210,39 @@ def test_the_logits_take_the_output_layouts_as_a_dtensor_or_this_ranks_part(
     rows: Any,
     use_local_output: bool,
 ) -> None:
+    """This rank's part as a plain tensor, except of the vocabulary: a loss on that slice
+    would be silently wrong, so that is refused (at construction for Shard(-1))."""
     case = _Case()
     expected = case.reference()["logits"]
+    vocabulary = isinstance(output_layouts, Shard) and output_layouts.dim in (-1, 2)
 
-    def rank_main(rank: int) -> tuple[type, tuple[Placement, ...] | None, torch.Tensor]:
-        style = TiedLinearParallel(output_layouts=output_layouts, use_local_output=use_local_output)
-        head, _ = case.parallel_head(style)
-        with torch.no_grad():
-            logits = head(case.x)
+    def rank_main(rank: int) -> tuple[type, tuple[Placement, ...] | None, torch.Tensor] | str:
+        try:
+            style = TiedLinearParallel(
+                output_layouts=output_layouts, use_local_output=use_local_output
+            )
+            head, _ = case.parallel_head(style)
+            with torch.no_grad():
+                logits = head(case.x)
+        except ValueError as error:
+            return str(error)
         if isinstance(logits, DTensor):
             return type(logits), tuple(logits.placements), logits.to_local()
         return type(logits), None, logits
 
-    for rank, (kind, got, local) in enumerate(run_ranks(WORLD, rank_main)):
+    results = run_ranks(WORLD, rank_main)
+    if use_local_output and vocabulary:
+        assert len(set(results)) == 1
+        message = results[0]
+        assert isinstance(message, str)
+        assert f"output_layouts={output_layouts!r}" in message
+        assert "Keep use_local_output=False" in message
+        assert "loss_parallel()" in message
+        assert "output_layouts=Replicate()" in message
+        return
+    for rank, result in enumerate(results):
+        assert not isinstance(result, str), result
+        kind, got, local = result
         if use_local_output:
             assert kind is torch.Tensor
             assert got is None
@@ -230,6 +250,30 @@ def test_the_logits_take_the_output_layouts_as_a_dtensor_or_this_ranks_part(
             assert kind is DTensor
             assert got == placements
         torch.testing.assert_close(local, expected[rows(rank)])
+
+
+def test_flattened_tokens_sharded_on_the_vocabulary_are_refused_as_a_local_tensor() -> None:
+    """With a 2-D input the vocabulary is dimension 1: Shard(1) is refused, Shard(0) not."""
+    case = _Case()
+    tokens = case.x.flatten(0, 1)
+    expected = F.linear(tokens, case.emb.weight.detach())
+
+    def rank_main(rank: int) -> tuple[str, torch.Tensor]:
+        refused = TiedLinearParallel(output_layouts=Shard(1), use_local_output=True)
+        head, _ = case.parallel_head(refused)
+        with pytest.raises(
+            ValueError, match=r"output_layouts=Shard\(dim=1\)\) would return"
+        ) as info:
+            head(tokens)
+        allowed = TiedLinearParallel(output_layouts=Shard(0), use_local_output=True)
+        head, _ = case.parallel_head(allowed)
+        with torch.no_grad():
+            return str(info.value), head(tokens)
+
+    rows = (slice(0, 6), slice(6, 12))
+    for rank, (message, local) in enumerate(run_ranks(WORLD, rank_main)):
+        assert "loss_parallel()" in message
+        torch.testing.assert_close(local, expected[rows[rank]])
 
 
 def _error_on_each_rank(fn: Any) -> list[str]:

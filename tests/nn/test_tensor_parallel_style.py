@@ -39,6 +39,23 @@ def test_the_arguments_are_kept_as_torch_styles_keep_them() -> None:
     )
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"output_layouts": Shard(-1)}], ids=["default", "shard-1"])
+def test_a_local_tensor_of_vocabulary_sharded_logits_is_refused_naming_both_fixes(
+    kwargs: dict[str, object],
+) -> None:
+    """A plain loss on this rank's slice of the vocabulary is silently wrong, so the
+    combination is refused at once."""
+    with pytest.raises(ValueError, match=r"^TiedLinearParallel\(use_local_output=True") as info:
+        TiedLinearParallel(use_local_output=True, **kwargs)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "TiedLinearParallel(use_local_output=True, output_layouts=Shard(dim=-1)) would return "
+        "this rank's slice of the vocabulary as a plain tensor, and a loss computed on it is "
+        "silently wrong. Keep use_local_output=False and compute the loss inside "
+        "torch.distributed.tensor.parallel.loss_parallel(), or pass output_layouts=Replicate() "
+        "for the full logits"
+    )
+
+
 def test_importing_the_package_does_not_import_tensor_parallelism() -> None:
     code = (
         "import sys, toolkit.nn; "

@@ -31,6 +31,7 @@ def test_the_lifecycle_runs_on_two_ranks_and_the_ranks_agree(
     assert rank0["created"] == ["heads.language"]
     assert rank1["created"] == ["heads.topic"]
     for namespace in namespaces:
+        assert str(namespace["without_prefix"]).endswith("pass prefix='model.'")
         assert namespace["heads"] == ["sentiment", "spam", "topic", "language"]
         assert namespace["saved_heads"] == ["language", "sentiment", "spam", "topic"]
         assert namespace["closed"] is True

@@ -34,6 +34,7 @@ def test_the_page_script_runs_on_two_ranks(namespaces: list[dict[str, object]]) 
     for namespace in namespaces:
         assert namespace["collectives"] == ["all_reduce"]
         assert namespace["outside_loss_parallel"] == "raises"
+        assert "loss_parallel()" in str(namespace["local_slice"])
 
 
 def test_the_error_shown_is_the_one_every_rank_raises(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.nn._module_default_dict import ModuleDefaultDict
+from toolkit.nn._module_default_dict import ModuleDefaultDict, _is_valid_new_key
 
 __all__ = ["create_entries", "sync_entries"]
 
@@ -30,22 +31,32 @@ def create_entries(module: nn.Module, keys: Iterable[str], *, prefix: str = "") 
     the same code as ``load_state_dict``: a new entry follows the dict's device, dtype and
     training mode, and names that cannot be entries are left for the load to report.
 
+    A key matches ``module`` when, once ``prefix`` is removed, it falls under a state-dict
+    name of ``module`` (its trunk included) or names an entry that one of its dicts has or
+    could create. Keys without ``prefix``, such as ``"step"`` beside ``"model.*"``, are
+    ignored. If there are keys but not one matches, the prefix is wrong and the resume would
+    silently lose every entry, so the call raises instead.
+
     Args:
-        module: The model, before it is wrapped by DDP or FSDP.
+        module: The model, before it is wrapped by DDP or FSDP. A wrapper at or below it, or
+            a DTensor parameter, is refused; ``ddp.module`` or a dict of an FSDP2-sharded
+            model that has no entries yet cannot be recognised and is not refused.
         keys: Fully qualified state-dict keys, such as ``"heads.alpha.weight"``.
-        prefix: Stripped from each key first; keys without it are ignored. A DCP checkpoint
+        prefix: Removed from each key first; keys without it are ignored. A DCP checkpoint
             saved as ``{"model": model_state_dict}`` has keys such as
             ``"model.heads.alpha.weight"``: pass ``prefix="model."``.
 
     Returns:
         The qualified names of the entries created, such as ``"heads.alpha"`` or
         ``"outer.x.inner.y"``, in key order (an entry before the entries inside it). A second
-        call with the same keys creates nothing and returns ``[]``.
+        call with the same keys, or keys that match only the trunk, create nothing and
+        return ``[]``.
 
     Raises:
-        ValueError: If ``prefix`` is not empty and does not end with ``"."``, or if
-            ``module`` is already wrapped by DDP or FSDP, whose parameters are fixed when
-            they wrap.
+        ValueError: If ``prefix`` is not empty and does not end with ``"."``; if there are
+            keys but not one matches ``module`` (the message names the prefix the keys
+            share, where one makes them match); or if ``module`` is already wrapped by DDP
+            or FSDP, whose parameters are fixed when they wrap. Nothing is created then.
         TypeError: If a factory returns something that is not a Module.
 
     Added in version v3.58.0.
@@ -56,9 +67,10 @@ def create_entries(module: nn.Module, keys: Iterable[str], *, prefix: str = "") 
         >>> from toolkit.nn import ModuleDefaultDict, create_entries
         >>> model = nn.Module()
         >>> model.heads = ModuleDefaultDict(functools.partial(nn.Linear, 4, 2))
-        >>> create_entries(model, ["model.heads.a.weight", "model.heads.b.bias"], prefix="model.")
+        >>> keys = ["model.heads.a.weight", "model.heads.b.bias", "step"]
+        >>> create_entries(model, keys, prefix="model.")
         ['heads.a', 'heads.b']
-        >>> create_entries(model, ["model.heads.a.weight"], prefix="model.")
+        >>> create_entries(model, keys, prefix="model.")
         []
     """
     if prefix and not prefix.endswith("."):
@@ -69,7 +81,11 @@ def create_entries(module: nn.Module, keys: Iterable[str], *, prefix: str = "") 
     problem = _wrapped(module)
     if problem is not None:
         raise ValueError(f"create_entries: {problem}")
+    keys = list(keys)  # read twice
+    names = set(module.state_dict())
     stripped = [key[len(prefix) :] for key in keys if key.startswith(prefix)]
+    if keys and not any(_matches(module, names, key) for key in stripped):
+        raise ValueError(_no_match(module, names, keys, prefix))
     created: list[str] = []
     _create_under(module, "", stripped, created)
     # The walk visits dicts in module order; report the entries in the order of the keys. The
@@ -81,6 +97,49 @@ def create_entries(module: nn.Module, keys: Iterable[str], *, prefix: str = "") 
         for end in range(1, len(parts)):
             first.setdefault(".".join(parts[:end]), index)
     return sorted(created, key=first.__getitem__)
+
+
+def _matches(module: nn.Module, names: set[str], key: str) -> bool:
+    """Whether ``key`` falls under a state-dict name of ``module``, or names an entry.
+
+    An entry is named if one of the dicts of ``module`` has it or could create it.
+    """
+    parts = key.split(".")
+    if any(name in names for name in itertools.accumulate(parts, "{}.{}".format)):
+        return True
+    parent = module
+    for part in parts[:-1]:  # an entry's name has a further part after it
+        if (
+            isinstance(parent, ModuleDefaultDict)
+            and parent.default_factory is not None
+            and (part in parent._modules or _is_valid_new_key(parent, part))
+        ):
+            return True
+        child = parent._modules.get(part)
+        if child is None:
+            return False
+        parent = child
+    return False
+
+
+def _no_match(module: nn.Module, names: set[str], keys: list[str], prefix: str) -> str:
+    """The error for keys of which not one matches ``module`` once ``prefix`` is removed."""
+    shared = Counter(p for p in (_prefix_of(module, names, key) for key in keys) if p is not None)
+    message = (
+        f"create_entries: not one of the {len(keys)} keys, such as {keys[0]!r}, names a "
+        f"parameter, buffer or entry of the module once the prefix {prefix!r} is removed, so "
+        "a resume would restore nothing of it"
+    )
+    if not shared:
+        return f"{message}; pass the keys of a checkpoint of this model"
+    best = max(shared, key=shared.__getitem__)
+    return f"{message}; the keys name it under the prefix {best!r}: pass prefix={best!r}"
+
+
+def _prefix_of(module: nn.Module, names: set[str], key: str) -> str | None:
+    """The shortest prefix whose removal makes ``key`` match ``module``, if there is one."""
+    ends = (0, *(i + 1 for i, char in enumerate(key) if char == "."))
+    return next((key[:end] for end in ends if _matches(module, names, key[end:])), None)
 
 
 def _create_under(module: nn.Module, path: str, keys: list[str], created: list[str]) -> None:
@@ -102,7 +161,9 @@ def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> l
     of rank 1 that rank 0 lacked, and so on), and every entry's parameters and buffers equal
     those of the lowest rank that had the entry before the call. Missing entries are
     created by the dict's factory, so they follow its device, dtype and training mode.
-    Tensors on the meta device hold no values and are left as they are.
+    Tensors on the meta device hold no values and are left as they are. An entry must have
+    the same parameter and buffer names, shapes and dtypes on every rank that has it or
+    creates it, and be registered under one name only.
 
     A miss after wrapping would create an entry that no other rank has and whose gradients
     are never reduced. Neither DDP nor FSDP2 leaves a mark that the dict can see from
@@ -111,8 +172,11 @@ def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> l
     to the modules above it. A miss therefore cannot tell reliably that it is too late, so
     close the dicts instead once the entries are synchronised:
     ``model.heads.default_factory = None``. A miss then raises ``KeyError`` whatever the
-    wrapper. (This function and [`create_entries`][toolkit.nn.create_entries] are given the
-    model itself, so they do refuse a wrapped one.)
+    wrapper. For the same reason this function and
+    [`create_entries`][toolkit.nn.create_entries] refuse what they can see: a wrapper at or
+    below ``module``, or a DTensor parameter. They cannot refuse ``ddp.module``, the model
+    that DDP wraps, nor a dict of an FSDP2-sharded model that has no entries yet: pass the
+    model before wrapping it.
 
     Args:
         module: The model, before it is wrapped by DDP or FSDP.
@@ -124,39 +188,55 @@ def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> l
         not dict by dict).
 
     Raises:
-        ValueError: On every rank, if ``module`` is wrapped by DDP or FSDP or holds DTensor
-            parameters on some rank, or if a tensor is on the meta device on some ranks
-            only.
+        ValueError: On this rank alone, before any collective, if it is not a rank of
+            ``group``. On every rank, with nothing changed on any rank: if ``module`` is
+            wrapped by DDP or FSDP or holds DTensor parameters on some rank; if an entry is
+            registered under two names on some rank; if an entry has different parameter or
+            buffer names, shapes or dtypes on two ranks, or is created so; or if a tensor is
+            on the meta device on some ranks only.
         RuntimeError: On every rank, if creating an entry failed on some rank (its dict has
             no factory there, or the factory raised). The entries created by the call are
             removed again, on every rank.
 
     Added in version v3.58.0.
     """
-    problem = _wrapped(module)
-    local = (problem, [name for name, _ in _entries(module)])
+    if dist.get_rank(group) < 0:
+        # A rank outside the group must not enter the group's collectives.
+        raise ValueError(
+            f"sync_entries: this process, rank {dist.get_rank()} of the default group, is not "
+            "a rank of the group it was given; call sync_entries on the ranks of the group only"
+        )
+    problem = _wrapped(module) or _aliased(module)
+    local = (problem, _signatures(module, [name for name, _ in _entries(module)]))
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, local, group=group)
     problems = [f"rank {rank}: {found}" for rank, (found, _) in enumerate(gathered) if found]
     if problems:
         raise ValueError(f"sync_entries: {'; '.join(problems)}")
     owners: dict[str, int] = {}
-    for rank, (_, names) in enumerate(gathered):
-        for name in names:
+    for rank, (_, signatures) in enumerate(gathered):
+        for name in signatures:
             owners.setdefault(name, rank)
+    expected = {name: gathered[owner][1][name] for name, owner in owners.items()}
+    differences = _differences(owners, expected, [signatures for _, signatures in gathered])
+    if differences:
+        raise ValueError(f"sync_entries: {differences}")
 
     created, error = _create_missing(module, owners)
     # Where creation failed, some entries are missing; the failure is reported instead.
-    tensors = {} if error else _owned_tensors(module, owners)
+    tensors = {} if error else _entry_tensors(module, owners)
     meta = sorted(name for name, (tensor, _) in tensors.items() if tensor.is_meta)
+    after = _signatures(module, [name for name, _ in _entries(module)])
+    made = {name: after[name] for name in created}
     outcomes: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(outcomes, (error and repr(error), meta), group=group)
-    failures = [f"rank {rank}: {found}" for rank, (found, _) in enumerate(outcomes) if found]
+    dist.all_gather_object(outcomes, (error and repr(error), meta, made), group=group)
+    failures = [f"rank {rank}: {found}" for rank, (found, _, _) in enumerate(outcomes) if found]
+    differences = _differences(owners, expected, [made for _, _, made in outcomes])
     mixed = sorted(
-        set().union(*(other for _, other in outcomes))
-        - set.intersection(*(set(other) for _, other in outcomes))
+        set().union(*(other for _, other, _ in outcomes))
+        - set.intersection(*(set(other) for _, other, _ in outcomes))
     )
-    if failures or mixed:
+    if failures or differences or mixed:
         for name in reversed(created):
             path, _, key = name.rpartition(".")
             del module.get_submodule(path)._modules[key]
@@ -165,6 +245,8 @@ def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> l
                 "sync_entries created no entry: creating the missing entries failed on "
                 + "; ".join(failures)
             ) from error
+        if differences:
+            raise ValueError(f"sync_entries created no entry: {differences}")
         raise ValueError(
             f"sync_entries created no entry: {', '.join(mixed)} are on the meta device on "
             "some ranks only; move or materialise the model alike on every rank"
@@ -172,10 +254,53 @@ def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> l
 
     _reorder(module, owners)
     with torch.no_grad():
-        for _, (tensor, owner) in _owned_tensors(module, owners).items():
+        # In the order of the names, the same on every rank whatever order an entry
+        # registered its tensors in.
+        for _, (tensor, entry) in sorted(_entry_tensors(module, owners).items()):
             if not tensor.is_meta:
-                _broadcast(tensor, owner, group)
+                _broadcast(tensor, owners[entry], group)
     return created
+
+
+_BUILD_ALIKE = (
+    "values cannot be copied between such tensors: build the entries alike on every rank, with "
+    "the same factory and the model cast alike before they are created"
+)
+
+# An entry's parameters and buffers: name within the entry -> (dtype, shape).
+_Signature = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def _signatures(module: nn.Module, names: Iterable[str]) -> dict[str, _Signature]:
+    """The signature of each entry of ``names``, its inner entries' tensors left out."""
+    signatures: dict[str, _Signature] = {name: {} for name in names}
+    for qualified, (tensor, entry) in _entry_tensors(module, signatures).items():
+        signatures[entry][qualified[len(entry) + 1 :]] = (str(tensor.dtype), tuple(tensor.shape))
+    return signatures
+
+
+def _differences(
+    owners: dict[str, int], expected: dict[str, _Signature], per_rank: list[dict[str, _Signature]]
+) -> str:
+    """How the signatures of ``per_rank`` differ from the owners', or "" if they do not."""
+
+    def describe(found: tuple[str, tuple[int, ...]] | None) -> str:
+        return "missing" if found is None else f"{found[0]} of shape {found[1]}"
+
+    found: list[str] = []
+    for name, owner in owners.items():
+        want = expected[name]
+        for rank, signatures in enumerate(per_rank):
+            got = signatures.get(name, want)
+            tensors = [t for t in {**want, **got} if want.get(t) != got.get(t)]
+            found.extend(
+                f"entry {name}: {t} is {describe(want.get(t))} on rank {owner} but "
+                f"{describe(got.get(t))} on rank {rank}"
+                for t in tensors
+            )
+    if not found:
+        return ""
+    return "; ".join(found) + f"; {_BUILD_ALIKE}"
 
 
 def _wrapped(module: nn.Module) -> str | None:
@@ -213,6 +338,22 @@ def _entries(module: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+def _aliased(module: nn.Module) -> str | None:
+    """Which entry is registered under several names in ``module``, or None."""
+    entries = {id(entry) for _, entry in _entries(module)}
+    names: dict[int, list[str]] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        if id(sub) in entries:
+            names.setdefault(id(sub), []).append(name)
+    for shared in names.values():
+        if len(shared) > 1:
+            return (
+                f"{' and '.join(shared)} are one module; the ranks that lack it would create "
+                "a separate module for each name: register each entry under one name"
+            )
+    return None
+
+
 def _create_missing(
     module: nn.Module, owners: dict[str, int]
 ) -> tuple[list[str], Exception | None]:
@@ -244,20 +385,17 @@ def _reorder(module: nn.Module, owners: dict[str, int]) -> None:
             sub._modules.update((key, entries[key]) for key in order)
 
 
-def _owned_tensors(
-    module: nn.Module, owners: dict[str, int]
-) -> dict[str, tuple[torch.Tensor, int]]:
-    """Each parameter and buffer of every entry, with the rank whose value it takes.
+def _entry_tensors(module: nn.Module, names: Iterable[str]) -> dict[str, tuple[torch.Tensor, str]]:
+    """Each parameter and buffer of the entries ``names``, with the innermost entry holding it.
 
-    A tensor of an entry inside another entry takes its value from the owner of the inner
-    entry. The order is the modules' order, the same on every rank after ``_reorder``.
+    ``names`` lists an entry before the entries inside it, as ``_entries`` and the owners do.
     """
-    tensors: dict[str, tuple[torch.Tensor, int]] = {}
-    for name, owner in owners.items():
+    tensors: dict[str, tuple[torch.Tensor, str]] = {}
+    for name in names:
         entry = module.get_submodule(name)
         named = itertools.chain(entry.named_parameters(name), entry.named_buffers(name))
         for qualified, tensor in named:
-            tensors[qualified] = (tensor, owner)
+            tensors[qualified] = (tensor, name)
     return tensors
 
 

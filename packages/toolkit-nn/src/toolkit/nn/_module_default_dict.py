@@ -42,7 +42,12 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
     dict that was never moved or cast leaves the factory's result where the factory put it.
     Only the net effect of the moves is kept: after ``to("meta")`` new entries are on the
     meta device, and after ``to_empty(device=...)`` they are built by the factory and moved
-    there with the factory's initial values.
+    there with the factory's initial values. The dict learns that effect by converting a
+    one-element probe tensor, and a conversion that ``torch.nn.ModuleDict`` survives never
+    fails on the probe: an empty dict moved to meta and back to the CPU creates its entries on
+    the CPU, and after a conversion that fails on the probe (``_apply`` of a function that
+    works only on the entries' shapes, say) a miss raises ``RuntimeError`` instead of
+    guessing.
 
     A missing key is checked before the factory runs: it must be a non-empty ``str`` without
     ``"."`` that is not already an attribute of the dict (such as ``"training"`` or

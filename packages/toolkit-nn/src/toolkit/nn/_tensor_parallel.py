@@ -54,10 +54,15 @@ class TiedLinearParallel(ParallelStyle):
             Default: False, unlike torch's ``ColwiseParallel``: a loss computed on this
             rank's slice of the vocabulary would be silently wrong, whereas a DTensor
             either works under ``loss_parallel()`` or raises. Set it to True with
-            ``output_layouts=Replicate()`` for plain full logits.
+            ``output_layouts=Replicate()`` for plain full logits. With logits sharded on
+            the vocabulary it is refused.
 
     Raises:
         TypeError: If applied to anything but a TiedLinear's ``linear`` module.
+        ValueError: If ``use_local_output`` is True and the logits are sharded on the
+            vocabulary, their last dimension: at construction for ``Shard(-1)``, the
+            default, and at the head's call for a ``Shard`` of the last dimension counted
+            from the front.
         RuntimeError: At the head's call, if the tied module's weight is not a DTensor: the
             tied module was not parallelised on the mesh.
 
@@ -84,6 +89,8 @@ class TiedLinearParallel(ParallelStyle):
         super().__init__()
         self.input_layouts = (input_layouts or Replicate(),)
         self.output_layouts = (output_layouts or Shard(-1),)
+        if use_local_output and self.output_layouts == (Shard(-1),):
+            raise ValueError(_local_vocabulary(Shard(-1)))
         # The head multiplies a replicated input by the vocabulary rows of this rank.
         self.desired_input_layouts = (Replicate(),)
         self.use_local_output = use_local_output
@@ -119,6 +126,10 @@ class TiedLinearParallel(ParallelStyle):
         outputs: DTensor,
         device_mesh: DeviceMesh,
     ) -> object:
+        layout = output_layouts[0]
+        last = outputs.ndim - 1
+        if use_local_output and isinstance(layout, Shard) and layout.dim % outputs.ndim == last:
+            raise ValueError(_local_vocabulary(layout))
         if outputs.placements != output_layouts:
             outputs = outputs.redistribute(placements=output_layouts, async_op=True)
         return outputs.to_local() if use_local_output else outputs
@@ -148,3 +159,14 @@ class TiedLinearParallel(ParallelStyle):
             f"{type(self).__name__}(input_layouts={self.input_layouts}, "
             f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})"
         )
+
+
+def _local_vocabulary(layout: Shard) -> str:
+    """The error for a plain local tensor of logits sharded on the vocabulary by ``layout``."""
+    return (
+        f"TiedLinearParallel(use_local_output=True, output_layouts={layout!r}) would return "
+        "this rank's slice of the vocabulary as a plain tensor, and a loss computed on it "
+        "is silently wrong. Keep use_local_output=False and compute the loss inside "
+        "torch.distributed.tensor.parallel.loss_parallel(), or pass "
+        "output_layouts=Replicate() for the full logits"
+    )
