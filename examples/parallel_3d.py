@@ -64,6 +64,8 @@ TASK = "lm"
 
 # --8<-- [start:model]
 class Block(nn.Module):
+    """A residual MLP block."""
+
     def __init__(self) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
@@ -71,7 +73,9 @@ class Block(nn.Module):
         self.down = nn.Linear(2 * DIM, DIM)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(torch.tanh(self.up(self.norm(h))))
+        """The block's output: ``h`` plus the MLP of its norm."""
+        out: torch.Tensor = h + self.down(torch.tanh(self.up(self.norm(h))))
+        return out
 
 
 class TiedLM(nn.Module):
@@ -89,12 +93,14 @@ class TiedLM(nn.Module):
         self.first = self.last = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The tokens' (first stage) or the hidden state's way through this copy's parts."""
         h = self.emb(x) if self.first else x
         for block in self.blocks:
             h = block(h)
         if not self.last:
             return h
-        assert self.norm is not None and self.adapters is not None
+        assert self.norm is not None
+        assert self.adapters is not None
         h = self.norm(h)
         h = h + self.adapters[TASK](h)
         return self.head(h)
@@ -112,18 +118,22 @@ def split(model: TiedLM, stage: int) -> TiedLM:
     if stage == 0:
         part.norm = part.adapters = None
     return part
+
+
 # --8<-- [end:model]
 
 
 def whole_model(seed: int) -> TiedLM:
+    """The whole model with the task's adapter, its weights drawn from ``seed``."""
     torch.manual_seed(seed)
     model = TiedLM()
     assert model.adapters is not None
-    model.adapters[TASK]  # noqa: B018 - creates the task's adapter
+    model.adapters[TASK]
     return model
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each step's global batch: ``(tokens, targets)`` of ``ROWS`` rows."""
     gen = torch.Generator().manual_seed(1234)
     return [
         (
@@ -135,6 +145,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over every position."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
@@ -175,6 +186,8 @@ def build(mesh: DeviceMesh, seed: int = 0, *, tied: bool = True) -> dict[str, An
     )
     opt = torch.optim.SGD(stage.parameters(), lr=LR)
     return {"mesh": mesh, "stage": stage, "tie": tie, "schedule": schedule, "opt": opt}
+
+
 # --8<-- [end:build]
 
 
@@ -196,6 +209,8 @@ def train_step(run: dict[str, Any], idx: torch.Tensor, targets: torch.Tensor) ->
     run["opt"].step()
     run["opt"].zero_grad()
     return {"losses": [_full(loss).item() for loss in losses], "norm": norm.item()}
+
+
 # --8<-- [end:step]
 
 
@@ -208,8 +223,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def full_state(stage: nn.Module) -> dict[str, torch.Tensor]:
+    """The stage's state with every sharded tensor gathered whole."""
     state = get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True))
-    return {key: value.detach().clone() for key, value in state.items()}
+    return {key: torch.as_tensor(value).detach().clone() for key, value in state.items()}
 
 
 class _NoModules:
@@ -225,34 +241,39 @@ class _NoModules:
         pass
 
 
-class CollectiveCount(CommDebugMode):
-    """CommDebugMode's count of collectives, without its per-module tracking, and the
-    number of elements each c10d all_reduce reduces.
+class CollectiveCount(CommDebugMode):  # type: ignore[no-untyped-call]
+    """CommDebugMode's count of collectives, and the size of each c10d all_reduce.
 
     The tracker's hooks cannot follow a pipeline stage's forward calls (it loses its
     parents) nor its autograd.grad backward, so it is replaced; the count is the same.
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.advanced_module_tracker = _NoModules()  # type: ignore[assignment]
         self.all_reduce_sizes: list[int] = []
 
     def __torch_dispatch__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+        self,
+        func: torch._ops.OpOverload,
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> object:
         if getattr(func, "_overloadpacket", None) is torch.ops.c10d.allreduce_:
             self.all_reduce_sizes.append(sum(t.numel() for t in args[0]))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
 
     def counts(self) -> dict[str, Any]:
+        """The count of each collective, and the sizes of the c10d all_reduces."""
         counts: dict[str, Any] = {str(op): n for op, n in self.get_comm_counts().items()}
         return {**counts, "all_reduce_sizes": sorted(self.all_reduce_sizes)}
 
 
 def counted_step(run: dict[str, Any], batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
     """The collectives of one training step that CommDebugMode sees, by name."""
-    with CollectiveCount() as comm:
+    comm = CollectiveCount()
+    with comm:
         train_step(run, *batch)
     return comm.counts()
 
@@ -266,9 +287,10 @@ def reference() -> dict[str, Any]:
         chunks = 2 * MICROBATCHES  # replica-major, as the replicas' losses are gathered
         h_of = functools.partial(_reference_forward, model)
         losses = [
-            loss_fn(h_of(i), t) for i, t in zip(idx.chunk(chunks), targets.chunk(chunks), strict=True)
+            loss_fn(h_of(i), t)
+            for i, t in zip(idx.chunk(chunks), targets.chunk(chunks), strict=True)
         ]
-        torch.stack(losses).mean().backward()
+        torch.autograd.backward(torch.stack(losses).mean())
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
@@ -281,13 +303,15 @@ def _reference_forward(model: TiedLM, idx: torch.Tensor) -> torch.Tensor:
     h = model.emb(idx)
     for block in model.blocks:
         h = block(h)
-    assert model.norm is not None and model.adapters is not None
+    assert model.norm is not None
+    assert model.adapters is not None
     h = model.norm(h)
     h = h + model.adapters[TASK](h)
     return F.linear(h, model.emb.weight)
 
 
 def main() -> int:
+    """Train, resume, check against one process; 1 if anything differs."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--report", help="write each rank's measurements to this JSON file")
     args = parser.parse_args()
@@ -306,7 +330,8 @@ def main() -> int:
     steps = []
     for number, batch in enumerate(data, 1):
         if number == 2:
-            with CollectiveCount() as comm:
+            comm = CollectiveCount()
+            with comm:
                 steps.append(train_step(run, *batch))
             counts["tied"] = comm.counts()
         else:
@@ -316,13 +341,14 @@ def main() -> int:
         if number == STEPS - 1:
             folder = [tempfile.mkdtemp(prefix="parallel-3d-") if rank == 0 else ""]
             dist.broadcast_object_list(folder, src=0)
-            dcp.save(get_model_state_dict(run["stage"]), checkpoint_id=folder[0])
+            to_save = get_model_state_dict(run["stage"])
+            dcp.save(to_save, checkpoint_id=folder[0])  # type: ignore[attr-defined]
     state = full_state(run["stage"])
 
     # Resume after step 2 into stages built afresh from other weights.
     fresh = build(mesh, seed=1)
     loaded = get_model_state_dict(fresh["stage"])
-    dcp.load(loaded, checkpoint_id=folder[0])
+    dcp.load(loaded, checkpoint_id=folder[0])  # type: ignore[attr-defined]
     set_model_state_dict(fresh["stage"], loaded)
     resumed = train_step(fresh, *data[-1])
     resumed_state = full_state(fresh["stage"])

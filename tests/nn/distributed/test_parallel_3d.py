@@ -27,7 +27,8 @@ TIMEOUT = 300
 
 def load_example() -> ModuleType:
     spec = importlib.util.spec_from_file_location("parallel_3d", EXAMPLE)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

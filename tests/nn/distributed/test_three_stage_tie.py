@@ -35,7 +35,7 @@ def test_three_copies_train_as_one_model(worlds: Worlds, expected: dict[str, Any
     for rank, result in enumerate(results):
         # Each rank holds one copy of the three; the tie sums over all three ranks.
         assert result["copies"] == (
-            f"PipelineTie(names=['emb'], copies_on_this_rank={{emb: 1}}, group_size=3)"
+            "PipelineTie(names=['emb'], copies_on_this_rank={emb: 1}, group_size=3)"
         ), rank
         norms = [step["norm"] for step in result["steps"]]
         torch.testing.assert_close(norms, expected["norms"], rtol=1e-5, atol=0.0)
