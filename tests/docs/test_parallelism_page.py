@@ -1,6 +1,6 @@
 """docs/parallelism.md shows the code of examples/parallel_3d.py, included, not copied.
 
-Its ```py blocks are snippet includes of sections of the example, which the tests launch on
+Its Python blocks are snippet includes of sections of the example, which the tests launch on
 eight processes (tests/nn/distributed/test_parallel_3d.py); the docs run nothing more.
 """
 
@@ -16,11 +16,16 @@ INCLUDE = re.compile(r'--8<-- "examples/parallel_3d\.py:(\w+)"')
 
 
 def included_sections() -> list[str]:
-    blocks = re.findall(r"^```py\n(.*?)^```$", PAGE.read_text(encoding="utf-8"), re.M | re.S)
+    text = PAGE.read_text(encoding="utf-8")
+    fences = re.findall(r"^```(.*)$", text, re.M)
+    # Includes, fenced so that neither the docs tests run them nor ruff formats them; the
+    # one other block is the command that runs the example.
+    assert fences == ["bash", "", "{ .python }", "", "{ .python }", "", "{ .python }", ""]
+    blocks = re.findall(r"^```\{ \.python \}\n(.*?)^```$", text, re.M | re.S)
     sections = []
     for block in blocks:
         match = INCLUDE.fullmatch(block.strip())
-        assert match is not None, f"a ```py block of the page is not an include: {block!r}"
+        assert match is not None, f"a Python block of the page is not an include: {block!r}"
         sections.append(match.group(1))
     return sections
 
