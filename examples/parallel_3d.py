@@ -337,7 +337,8 @@ def main() -> int:
         else:
             steps.append(train_step(run, *batch))
         if rank == 4:  # the last stage's first rank holds the losses
-            print(f"step {number}: loss {sum(steps[-1]['losses']) / MICROBATCHES:.4f}", flush=True)
+            mean = sum(steps[-1]["losses"]) / MICROBATCHES
+            print(f"step {number}: loss {mean:.4f} (replica 0)", flush=True)
         if number == STEPS - 1:
             folder = [tempfile.mkdtemp(prefix="parallel-3d-") if rank == 0 else ""]
             dist.broadcast_object_list(folder, src=0)
