@@ -38,7 +38,11 @@ def load_example() -> ModuleType:
 def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Run the example once, as its docstring says; its output, status and report."""
     report = tmp_path_factory.mktemp("parallel-3d") / "report.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+    }
     loopback = _loopback_interface()
     if loopback is not None:
         env.setdefault("GLOO_SOCKET_IFNAME", loopback)
