@@ -1,0 +1,124 @@
+"""examples/parallel_3d.py, launched once with torchrun on 8 gloo ranks: pipeline x FSDP2 x TP.
+
+The example trains the tied LM on a ``(pp, dp, tp)`` mesh of 2 x 2 x 2, resumes step 3 from a
+DCP checkpoint of step 2 in fresh stages, checks itself against the whole model in one
+process, and writes what each rank measured with ``--report``. These tests read that report
+and compare it with the one-process reference computed here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from tests.nn.distributed.launch import _loopback_interface
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "parallel_3d.py"
+TIMEOUT = 300
+
+
+def load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("parallel_3d", EXAMPLE)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Run the example once, as its docstring says; its output, status and report."""
+    report = tmp_path_factory.mktemp("parallel-3d") / "report.json"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+    }
+    loopback = _loopback_interface()
+    if loopback is not None:
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "8", str(EXAMPLE), "--report", str(report)]
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
+    )
+    return {
+        "returncode": done.returncode,
+        "output": done.stdout + done.stderr,
+        "ranks": json.loads(report.read_text()) if report.exists() else None,
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks(launch: dict[str, Any]) -> list[dict[str, Any]]:
+    assert launch["returncode"] == 0, launch["output"][-5000:]
+    assert launch["ranks"] is not None
+    return launch["ranks"]  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, Any]:
+    return load_example().reference()  # type: ignore[no-any-return]
+
+
+def test_the_example_prints_each_step_and_passes_its_parity_check(
+    launch: dict[str, Any], ranks: list[dict[str, Any]]
+) -> None:
+    for step in (1, 2, 3):
+        assert f"step {step}: loss " in launch["output"]
+    assert "parity with one process: losses, norms and weights match" in launch["output"]
+    for rank in ranks:
+        assert rank["problems"] == []
+    coords = sorted(tuple(rank["coords"]) for rank in ranks)
+    assert coords == [(pp, dp, tp) for pp in (0, 1) for dp in (0, 1) for tp in (0, 1)]
+
+
+def test_losses_and_norms_are_those_of_one_process(
+    ranks: list[dict[str, Any]], expected: dict[str, Any]
+) -> None:
+    example = load_example()
+    assert min(step["norm"] for step in expected["steps"]) > example.MAX_NORM  # always clips
+    for rank in ranks:
+        pp, dp, _ = rank["coords"]
+        for got, want in zip(rank["steps"], expected["steps"], strict=True):
+            assert got["norm"] == pytest.approx(want["norm"], rel=1e-5)
+            mine = want["losses"][dp * example.MICROBATCHES : (dp + 1) * example.MICROBATCHES]
+            assert got["losses"] == ([] if pp == 0 else pytest.approx(mine, rel=1e-5))
+    # Between them the stages hold every weight of the whole model; both hold the tie.
+    stage_keys = [set(rank["keys"]) for rank in ranks]
+    assert set().union(*stage_keys) == set(expected["state"])
+    assert all("emb.weight" in keys for keys in stage_keys)
+
+
+def test_a_resume_from_the_step_2_checkpoint_reproduces_step_3(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        assert rank["resumed"] == rank["steps"][-1]  # exactly, on every rank
+
+
+def test_the_tie_adds_one_all_reduce_of_its_local_shard_and_nothing_else(
+    ranks: list[dict[str, Any]],
+) -> None:
+    shards = set()
+    for rank in ranks:
+        tied, untied = dict(rank["counts"]["tied"]), dict(rank["counts"]["untied"])
+        tied_sizes, untied_sizes = tied.pop("all_reduce_sizes"), untied.pop("all_reduce_sizes")
+        assert tied.pop("c10d.allreduce_") == untied.pop("c10d.allreduce_") + 1
+        assert tied == untied
+        extra = list(tied_sizes)
+        for size in untied_sizes:
+            extra.remove(size)
+        # The local shard of the gradient, and two counters: whether any copy had a
+        # gradient, and whether any was accumulated onto an earlier sum.
+        assert extra == [rank["shard"] + 2]
+        shards.add(rank["shard"])
+    # 17 rows split 9 + 8 by tp, then 5 + 4 and 4 + 4 by dp, of 8 columns: uneven shards.
+    assert shards == {5 * 8, 4 * 8}
