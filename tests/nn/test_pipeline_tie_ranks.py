@@ -105,6 +105,21 @@ def test_copies_of_different_shapes_on_two_ranks_are_refused_on_every_rank() -> 
     assert messages == [expected] * 2
 
 
+def test_stages_of_one_rank_sharing_one_tied_module_are_refused_on_every_rank() -> None:
+    first, _, last = stages_of(0, 3)
+    _, middle, _ = stages_of(0, 3)
+    last.emb = first.emb  # one object, not a deep copy per stage
+    last.out.head = TiedLinear(first.emb)
+    messages = run_ranks(2, refusal(lambda rank: PipelineTie([[first, last], [middle]][rank])))
+    expected = (
+        "PipelineTie refused group rank 0's stages: two of its stages share one weight object "
+        "as the tied module 'emb', so its gradient would be summed twice and left out of the "
+        "clipping norm; give each stage its own copy (copy.deepcopy of the whole model, one "
+        "per stage)"
+    )
+    assert messages == [expected] * 2
+
+
 # Two pipelines side by side: ranks 0 and 1 run pipeline 0, ranks 2 and 3 pipeline 1. ---------
 
 

@@ -81,7 +81,8 @@ class PipelineTie:
 
     Raises:
         ValueError: If a stage's TiedLinear reads a module not registered in that stage, if
-            no TiedLinear is found on any rank, if the copies' weights differ in shape, or if
+            no TiedLinear is found on any rank, if the copies' weights differ in shape, if
+            two stages of one rank share one tied weight object (not deep copies), or if
             a tied module has parameters other than its weight. Every rank of the group
             raises the same error.
 
@@ -554,6 +555,13 @@ def _copies_problem(
                     {},
                 )
         weights = [_weight(copy) for copy in copies]
+        if len({id(w) for w in weights}) < len(weights):
+            return (
+                f"two of its stages share one weight object as the tied module '{name}', so "
+                "its gradient would be summed twice and left out of the clipping norm; give "
+                "each stage its own copy (copy.deepcopy of the whole model, one per stage)",
+                {},
+            )
         if any(w.shape != weights[0].shape for w in weights[1:]):
             return (
                 f"its copies of '{name}' differ in shape; build every stage from the same model",
