@@ -712,3 +712,34 @@ def test_float64_tied_gradients_are_summed_in_float64() -> None:
 
     assert not torch.equal(1.0 + small, (1.0 + small.float()).double())  # float32 would round
     run_ranks(2, rank_main)
+
+
+@pytest.mark.parametrize("last", ["float64", "float32", "frozen"])
+def test_clipping_stages_whose_gradients_differ_in_dtype_matches_one_process(
+    last: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # gloo and NCCL need every rank to reduce one dtype; the threaded backend would not notice.
+    reduced: dict[int, list[torch.dtype]] = {0: [], 1: []}
+    real = dist.all_reduce
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        reduced[dist.get_rank()].append(tensor.dtype)
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    first = torch.tensor([3.0, 4.0, 12.0], dtype=torch.float64)
+    grads = [first, torch.tensor([1.0, 2.0], dtype=getattr(torch, last, torch.float32))]
+    counted = grads if last != "frozen" else grads[:1]
+    expected = torch.linalg.vector_norm(torch.cat([g.double() for g in counted]))
+
+    def rank_main(rank: int) -> None:
+        weight = nn.Parameter(torch.zeros_like(grads[rank]))
+        if rank == 0 or last != "frozen":
+            weight.grad = grads[rank].clone()
+        norm = pipeline_clip_grad_norm_([weight], 1e9, group=dist.group.WORLD)
+        with_float64 = weight.grad is not None and weight.grad.dtype == torch.float64
+        assert norm.dtype == (torch.float64 if with_float64 else torch.float32)
+        torch.testing.assert_close(norm.double(), expected)
+
+    run_ranks(2, rank_main)
+    assert reduced[0] == reduced[1] != []

@@ -376,8 +376,8 @@ def pipeline_clip_grad_norm_(
     in one process: each rank takes the norm of its stages' gradients, as
     ``toolkit.nn.clip_grad_norm_`` does (DTensors on any meshes), leaving out the
     duplicate copies of ``tie`` (``PipelineTie.duplicates()``), and the ranks of the
-    pipeline combine theirs in float32 (float64 for float64 gradients). Call it after
-    ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
+    pipeline combine theirs in float64, whatever the dtype of each rank's gradients. Call
+    it after ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
 
     Args:
         parameters: This rank's parameters, of every stage it holds: a tensor or an
@@ -392,7 +392,9 @@ def pipeline_clip_grad_norm_(
             build the tie with the whole pipeline's group, or pass ``group``.
 
     Returns:
-        The total norm of the gradients, before clipping, the same on every rank.
+        The total norm of the gradients, before clipping, the same on every rank: in
+        float64 on a rank whose gradients' norm is float64, in float32 on the others (those
+        without gradients included).
 
     Raises:
         ValueError: If neither ``group`` nor ``tie`` is given and the default process group
@@ -406,7 +408,8 @@ def pipeline_clip_grad_norm_(
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     skipped = {id(p) for p in tie.duplicates()} if tie is not None else set()
     local = _total_norm(_by_layout(p for p in params if id(p) not in skipped), norm_type, foreach)
-    total = local.to(torch.promote_types(local.dtype, torch.float32))
+    # float64 on every rank, whatever each rank's gradients are: the ranks must agree on it.
+    total = local.to(torch.float64)
     if dist.get_world_size(pipeline) == 1:
         pass  # one rank holds the whole pipeline: its norm is the total
     elif math.isinf(norm_type):
@@ -415,6 +418,7 @@ def pipeline_clip_grad_norm_(
         total.pow_(norm_type)
         dist.all_reduce(total, group=pipeline)
         total.pow_(1.0 / norm_type)
+    total = total.to(torch.promote_types(local.dtype, torch.float32))
     _check_finite(total, norm_type, error_if_nonfinite)
     _clip_with_norm(_by_layout(params), max_norm, total, foreach)
     return total
