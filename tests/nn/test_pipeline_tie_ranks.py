@@ -743,3 +743,31 @@ def test_clipping_stages_whose_gradients_differ_in_dtype_matches_one_process(
 
     run_ranks(2, rank_main)
     assert reduced[0] == reduced[1] != []
+
+
+@pytest.mark.parametrize("holder", [0, 1])
+def test_a_nan_on_any_rank_makes_the_inf_norm_nan_on_every_rank(
+    holder: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = dist.all_reduce
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # As gloo's MAX may: keep the other rank's value where one rank holds a nan.
+        if kwargs.get("op") == dist.ReduceOp.MAX:
+            tensor.nan_to_num_(nan=-INF)
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+
+    def rank_main(rank: int) -> tuple[bool, bool]:
+        weight = nn.Parameter(torch.zeros(3))
+        nan = torch.tensor([1.0, 2.0, float("nan")])
+        weight.grad = nan if rank == holder else torch.tensor([1.0, 5.0, 3.0])
+        world = dist.group.WORLD
+        before = weight.grad.clone()
+        with pytest.raises(RuntimeError, match="non-finite"):
+            pipeline_clip_grad_norm_([weight], 1.0, INF, error_if_nonfinite=True, group=world)
+        unchanged = torch.equal(weight.grad.nan_to_num(), before.nan_to_num())
+        return unchanged, pipeline_clip_grad_norm_([weight], 1.0, INF, group=world).isnan().item()
+
+    assert run_ranks(2, rank_main) == [(True, True)] * 2

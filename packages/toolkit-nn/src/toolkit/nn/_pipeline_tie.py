@@ -413,7 +413,10 @@ def pipeline_clip_grad_norm_(
     if dist.get_world_size(pipeline) == 1:
         pass  # one rank holds the whole pipeline: its norm is the total
     elif math.isinf(norm_type):
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pipeline)
+        # gloo's MAX may drop a nan: whether any rank's norm is nan is reduced beside it.
+        both = torch.stack([total, total.isnan()])  # float64, as total
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pipeline)
+        total = torch.where(both[1] > 0, math.nan, both[0])
     else:
         total.pow_(norm_type)
         dist.all_reduce(total, group=pipeline)
