@@ -164,7 +164,7 @@ def test_two_pipelines_on_their_own_groups_do_not_mix(kind: str, pass_group: boo
     ]
     expected: dict[tuple[int, float], Any] = {}
     for p, stages in enumerate(pipelines):
-        for norm_type in (2.0, INF):
+        for norm_type in (0.0, 2.0, INF):
             whole = whole_grads(stages, grads[p])
             norm = torch.nn.utils.clip_grad_norm_(whole, 0.5, norm_type)
             expected[p, norm_type] = (norm, [w.grad for w in whole])
@@ -184,7 +184,7 @@ def test_two_pipelines_on_their_own_groups_do_not_mix(kind: str, pass_group: boo
         )
         assert torch.equal(stage.emb.weight, emb[p])  # this pipeline's first copy, not rank 0's
         assert [id(w) for w in tie.duplicates()] == ([] if s == 0 else [id(stage.emb.weight)])
-        for norm_type in (2.0, INF):
+        for norm_type in (0.0, 2.0, INF):
             for name, param in stage.named_parameters():
                 param.grad = grads[p][s][name].clone()
             tie.reduce_grads()
@@ -282,7 +282,7 @@ def stage_grads(frozen_middle: bool) -> list[torch.Tensor | None]:
 
 
 @pytest.mark.parametrize("frozen_middle", [False, True], ids=["all", "frozen-middle"])
-@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, INF])
+@pytest.mark.parametrize("norm_type", [0.0, 1.0, 2.0, 3.0, INF])
 def test_clipping_three_stages_matches_one_process(norm_type: float, frozen_middle: bool) -> None:
     grads = stage_grads(frozen_middle)
     whole = three_stages()

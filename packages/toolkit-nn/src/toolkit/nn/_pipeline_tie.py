@@ -417,6 +417,8 @@ def pipeline_clip_grad_norm_(
         both = torch.stack([total, total.isnan()])  # float64, as total
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pipeline)
         total = torch.where(both[1] > 0, math.nan, both[0])
+    elif norm_type == 0:
+        dist.all_reduce(total, group=pipeline)  # the ranks' counts of nonzero elements add
     else:
         total.pow_(norm_type)
         dist.all_reduce(total, group=pipeline)
