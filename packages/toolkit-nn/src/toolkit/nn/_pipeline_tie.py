@@ -240,8 +240,11 @@ class PipelineTie:
 
         Raises:
             RuntimeError: Under FSDP2, if a copy other than the first stage's accumulated a
-                gradient onto the one the last call wrote. Every rank raises it, and no
-                gradient is changed.
+                gradient onto the one the last call wrote; no gradient is changed. Where
+                several ranks hold copies, every rank of the group raises it (the check
+                travels in the sum's ``all_reduce``). Where one rank holds every copy, no
+                collective runs and only that rank raises: the others return, so the
+                training loop must stop them too, or they wait in their next collective.
         """
         for key, mark in list(self._flagged.items()):
             if not mark.unchanged(self._grad(key)):
