@@ -26,7 +26,7 @@ from tests.nn.threads import run_ranks
 from toolkit.nn import clip_grad_norm_
 
 INF = float("inf")
-NORM_TYPES = [1.0, 2.0, INF]
+NORM_TYPES = [0.0, 1.0, 2.0, INF]
 
 
 def base_model() -> nn.Sequential:

@@ -293,6 +293,31 @@ def test_every_token_ignored_gives_a_nan_mean_and_zero_gradients(
             assert torch.equal(grad, torch.zeros_like(leaf))
 
 
+@pytest.mark.parametrize("upstream", [float("nan"), float("inf")])
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("every", [True, False], ids=["every", "some"])
+def test_ignored_tokens_get_zero_gradients_whatever_comes_in(
+    upstream: float, create_graph: bool, reduction: str, every: bool
+) -> None:
+    """As F.cross_entropy: an ignored token's row of x's gradient is exactly 0, and with
+    every token ignored so is the weight's, for a nan or an inf incoming gradient."""
+    x, weight, target = _inputs(7, 5, 3)
+    if every:
+        target = torch.full((7,), -100)
+    ignored = target == -100
+    plain = _plain(target, reduction=reduction)
+    for loss_of in (_ours(target, reduction=reduction, chunk_size=3), plain):
+        leaves = _leaves(x, weight)
+        loss = loss_of(*leaves)
+        grads = torch.autograd.grad(
+            loss, leaves, torch.tensor(upstream, dtype=loss.dtype), create_graph=create_graph
+        )
+        assert torch.equal(grads[0][ignored], torch.zeros_like(x[ignored]))
+        if every:
+            assert torch.equal(grads[1], torch.zeros_like(weight))
+
+
 # Per-token losses
 
 

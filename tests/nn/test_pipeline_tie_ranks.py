@@ -105,6 +105,21 @@ def test_copies_of_different_shapes_on_two_ranks_are_refused_on_every_rank() -> 
     assert messages == [expected] * 2
 
 
+def test_stages_of_one_rank_sharing_one_tied_module_are_refused_on_every_rank() -> None:
+    first, _, last = stages_of(0, 3)
+    _, middle, _ = stages_of(0, 3)
+    last.emb = first.emb  # one object, not a deep copy per stage
+    last.out.head = TiedLinear(first.emb)
+    messages = run_ranks(2, refusal(lambda rank: PipelineTie([[first, last], [middle]][rank])))
+    expected = (
+        "PipelineTie refused group rank 0's stages: two of its stages share one weight object "
+        "as the tied module 'emb', so its gradient would be summed twice and left out of the "
+        "clipping norm; give each stage its own copy (copy.deepcopy of the whole model, one "
+        "per stage)"
+    )
+    assert messages == [expected] * 2
+
+
 # Two pipelines side by side: ranks 0 and 1 run pipeline 0, ranks 2 and 3 pipeline 1. ---------
 
 
@@ -149,7 +164,7 @@ def test_two_pipelines_on_their_own_groups_do_not_mix(kind: str, pass_group: boo
     ]
     expected: dict[tuple[int, float], Any] = {}
     for p, stages in enumerate(pipelines):
-        for norm_type in (2.0, INF):
+        for norm_type in (0.0, 2.0, INF):
             whole = whole_grads(stages, grads[p])
             norm = torch.nn.utils.clip_grad_norm_(whole, 0.5, norm_type)
             expected[p, norm_type] = (norm, [w.grad for w in whole])
@@ -169,7 +184,7 @@ def test_two_pipelines_on_their_own_groups_do_not_mix(kind: str, pass_group: boo
         )
         assert torch.equal(stage.emb.weight, emb[p])  # this pipeline's first copy, not rank 0's
         assert [id(w) for w in tie.duplicates()] == ([] if s == 0 else [id(stage.emb.weight)])
-        for norm_type in (2.0, INF):
+        for norm_type in (0.0, 2.0, INF):
             for name, param in stage.named_parameters():
                 param.grad = grads[p][s][name].clone()
             tie.reduce_grads()
@@ -267,7 +282,7 @@ def stage_grads(frozen_middle: bool) -> list[torch.Tensor | None]:
 
 
 @pytest.mark.parametrize("frozen_middle", [False, True], ids=["all", "frozen-middle"])
-@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, INF])
+@pytest.mark.parametrize("norm_type", [0.0, 1.0, 2.0, 3.0, INF])
 def test_clipping_three_stages_matches_one_process(norm_type: float, frozen_middle: bool) -> None:
     grads = stage_grads(frozen_middle)
     whole = three_stages()
@@ -697,3 +712,62 @@ def test_float64_tied_gradients_are_summed_in_float64() -> None:
 
     assert not torch.equal(1.0 + small, (1.0 + small.float()).double())  # float32 would round
     run_ranks(2, rank_main)
+
+
+@pytest.mark.parametrize("last", ["float64", "float32", "frozen"])
+def test_clipping_stages_whose_gradients_differ_in_dtype_matches_one_process(
+    last: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # gloo and NCCL need every rank to reduce one dtype; the threaded backend would not notice.
+    reduced: dict[int, list[torch.dtype]] = {0: [], 1: []}
+    real = dist.all_reduce
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        reduced[dist.get_rank()].append(tensor.dtype)
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    first = torch.tensor([3.0, 4.0, 12.0], dtype=torch.float64)
+    grads = [first, torch.tensor([1.0, 2.0], dtype=getattr(torch, last, torch.float32))]
+    counted = grads if last != "frozen" else grads[:1]
+    expected = torch.linalg.vector_norm(torch.cat([g.double() for g in counted]))
+
+    def rank_main(rank: int) -> None:
+        weight = nn.Parameter(torch.zeros_like(grads[rank]))
+        if rank == 0 or last != "frozen":
+            weight.grad = grads[rank].clone()
+        norm = pipeline_clip_grad_norm_([weight], 1e9, group=dist.group.WORLD)
+        with_float64 = weight.grad is not None and weight.grad.dtype == torch.float64
+        assert norm.dtype == (torch.float64 if with_float64 else torch.float32)
+        torch.testing.assert_close(norm.double(), expected)
+
+    run_ranks(2, rank_main)
+    assert reduced[0] == reduced[1] != []
+
+
+@pytest.mark.parametrize("holder", [0, 1])
+def test_a_nan_on_any_rank_makes_the_inf_norm_nan_on_every_rank(
+    holder: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = dist.all_reduce
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # As gloo's MAX may: keep the other rank's value where one rank holds a nan.
+        if kwargs.get("op") == dist.ReduceOp.MAX:
+            tensor.nan_to_num_(nan=-INF)
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+
+    def rank_main(rank: int) -> tuple[bool, bool]:
+        weight = nn.Parameter(torch.zeros(3))
+        nan = torch.tensor([1.0, 2.0, float("nan")])
+        weight.grad = nan if rank == holder else torch.tensor([1.0, 5.0, 3.0])
+        world = dist.group.WORLD
+        before = weight.grad.clone()
+        with pytest.raises(RuntimeError, match="non-finite"):
+            pipeline_clip_grad_norm_([weight], 1.0, INF, error_if_nonfinite=True, group=world)
+        unchanged = torch.equal(weight.grad.nan_to_num(), before.nan_to_num())
+        return unchanged, pipeline_clip_grad_norm_([weight], 1.0, INF, group=world).isnan().item()
+
+    assert run_ranks(2, rank_main) == [(True, True)] * 2

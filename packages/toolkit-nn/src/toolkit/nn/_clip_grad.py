@@ -89,10 +89,9 @@ def _total_norm(
     if not norms:
         return torch.tensor(0.0)
     device = norms[0].device
-    total: torch.Tensor = torch.linalg.vector_norm(
-        torch.stack([n.to(device) for n in norms]), norm_type
-    )
-    return total
+    stacked = torch.stack([n.to(device) for n in norms])
+    # The 0-"norm" counts the nonzero elements: the groups' counts add.
+    return stacked.sum() if norm_type == 0 else torch.linalg.vector_norm(stacked, norm_type)
 
 
 def _check_finite(total: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> None:

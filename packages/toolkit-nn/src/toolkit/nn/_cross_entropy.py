@@ -552,13 +552,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _loss_factor(grad_loss: torch.Tensor, keep: torch.Tensor, o: _Options) -> torch.Tensor:
     """What the gradient of one counted token's loss is multiplied by.
 
-    The incoming gradient, divided by the count for a mean: 0, not nan, when none is counted,
-    as in ``F.cross_entropy``.
+    The incoming gradient, divided by the count for a mean: 0 when none is counted, as in
+    ``F.cross_entropy``, whatever comes in (a nan or an inf times the zero gradients would be
+    nan).
     """
-    if o.reduction == "sum":
-        return grad_loss
     count = keep.sum()
-    return torch.where(count > 0, grad_loss / count.clamp(min=1), 0.0)
+    per_token = grad_loss if o.reduction == "sum" else grad_loss / count.clamp(min=1)
+    return torch.where(count > 0, per_token, 0.0)
 
 
 def _scale_saved(
@@ -576,14 +576,17 @@ def _scale_saved(
     ctx.used = True
     _, _, target, grad_x, grad_w = ctx.saved_tensors
     o = ctx.options
-    acc = _accumulation_dtype(o.mm_dtype)
     # The factor has the loss's dtype, the accumulation dtype: float16 cannot hold a loss
     # scale such as 65536, nor the gradient of one token of a mean over thousands.
-    factor = _loss_factor(grad_loss, target != o.ignore_index, o)
-    if needs_x:  # widened, scaled and rounded a chunk at a time, in place
+    keep = target.reshape(-1) != o.ignore_index
+    factor = _loss_factor(grad_loss, keep, o)
+    if needs_x:  # scaled a chunk at a time, in place
         for start in range(0, grad_x.shape[0], o.chunk_size):
-            part = grad_x[start : start + o.chunk_size]
-            part.copy_(part.to(acc).mul_(factor))
+            # A factor per row: an ignored token's row stays exactly 0, as in F.cross_entropy,
+            # whatever comes in. The rows, in the accumulation dtype and not 0-d, take part in
+            # type promotion, so each product is taken in that dtype and rounded once.
+            rows = torch.where(keep[start : start + o.chunk_size], factor, 0.0).unsqueeze(1)
+            grad_x[start : start + o.chunk_size].mul_(rows)
     return (
         grad_x.reshape(ctx.x_shape).to(ctx.x_dtype) if needs_x else None,
         grad_w.mul_(factor).to(ctx.weight_dtype) if needs_w else None,

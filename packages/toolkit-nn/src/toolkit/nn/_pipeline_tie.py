@@ -81,7 +81,8 @@ class PipelineTie:
 
     Raises:
         ValueError: If a stage's TiedLinear reads a module not registered in that stage, if
-            no TiedLinear is found on any rank, if the copies' weights differ in shape, or if
+            no TiedLinear is found on any rank, if the copies' weights differ in shape, if
+            two stages of one rank share one tied weight object (not deep copies), or if
             a tied module has parameters other than its weight. Every rank of the group
             raises the same error.
 
@@ -239,8 +240,11 @@ class PipelineTie:
 
         Raises:
             RuntimeError: Under FSDP2, if a copy other than the first stage's accumulated a
-                gradient onto the one the last call wrote. Every rank raises it, and no
-                gradient is changed.
+                gradient onto the one the last call wrote; no gradient is changed. Where
+                several ranks hold copies, every rank of the group raises it (the check
+                travels in the sum's ``all_reduce``). Where one rank holds every copy, no
+                collective runs and only that rank raises: the others return, so the
+                training loop must stop them too, or they wait in their next collective.
         """
         for key, mark in list(self._flagged.items()):
             if not mark.unchanged(self._grad(key)):
@@ -375,8 +379,8 @@ def pipeline_clip_grad_norm_(
     in one process: each rank takes the norm of its stages' gradients, as
     ``toolkit.nn.clip_grad_norm_`` does (DTensors on any meshes), leaving out the
     duplicate copies of ``tie`` (``PipelineTie.duplicates()``), and the ranks of the
-    pipeline combine theirs in float32 (float64 for float64 gradients). Call it after
-    ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
+    pipeline combine theirs in float64, whatever the dtype of each rank's gradients. Call
+    it after ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
 
     Args:
         parameters: This rank's parameters, of every stage it holds: a tensor or an
@@ -391,7 +395,9 @@ def pipeline_clip_grad_norm_(
             build the tie with the whole pipeline's group, or pass ``group``.
 
     Returns:
-        The total norm of the gradients, before clipping, the same on every rank.
+        The total norm of the gradients, before clipping, the same on every rank: in
+        float64 on a rank whose gradients' norm is float64, in float32 on the others (those
+        without gradients included).
 
     Raises:
         ValueError: If neither ``group`` nor ``tie`` is given and the default process group
@@ -405,15 +411,22 @@ def pipeline_clip_grad_norm_(
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     skipped = {id(p) for p in tie.duplicates()} if tie is not None else set()
     local = _total_norm(_by_layout(p for p in params if id(p) not in skipped), norm_type, foreach)
-    total = local.to(torch.promote_types(local.dtype, torch.float32))
+    # float64 on every rank, whatever each rank's gradients are: the ranks must agree on it.
+    total = local.to(torch.float64)
     if dist.get_world_size(pipeline) == 1:
         pass  # one rank holds the whole pipeline: its norm is the total
     elif math.isinf(norm_type):
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pipeline)
+        # gloo's MAX may drop a nan: whether any rank's norm is nan is reduced beside it.
+        both = torch.stack([total, total.isnan()])  # float64, as total
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pipeline)
+        total = torch.where(both[1] > 0, math.nan, both[0])
+    elif norm_type == 0:
+        dist.all_reduce(total, group=pipeline)  # the ranks' counts of nonzero elements add
     else:
         total.pow_(norm_type)
         dist.all_reduce(total, group=pipeline)
         total.pow_(1.0 / norm_type)
+    total = total.to(torch.promote_types(local.dtype, torch.float32))
     _check_finite(total, norm_type, error_if_nonfinite)
     _clip_with_norm(_by_layout(params), max_norm, total, foreach)
     return total
@@ -554,6 +567,13 @@ def _copies_problem(
                     {},
                 )
         weights = [_weight(copy) for copy in copies]
+        if len({id(w) for w in weights}) < len(weights):
+            return (
+                f"two of its stages share one weight object as the tied module '{name}', so "
+                "its gradient would be summed twice and left out of the clipping norm; give "
+                "each stage its own copy (copy.deepcopy of the whole model, one per stage)",
+                {},
+            )
         if any(w.shape != weights[0].shape for w in weights[1:]):
             return (
                 f"its copies of '{name}' differ in shape; build every stage from the same model",
