@@ -225,6 +225,13 @@ def run(
             order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
             for variant in order:
                 runs[variant].append(_in_subprocess(variant, shape, steps))
+                last = runs[variant][-1]
+                print(
+                    f"  round {round_ + 1}: {variant} {last['seconds']:.3f} s, "
+                    f"{last['peak_mb']:.0f} MB",
+                    file=sys.stderr,
+                    flush=True,
+                )
         table: dict[str, dict[str, Any]] = {
             v: {
                 "seconds": statistics.median(r["seconds"] for r in rs),
