@@ -46,6 +46,7 @@ from typing import Any
 import cross_entropy_parallel
 import torch
 import torch.nn.functional as F
+from process_memory import MB, rss_bytes
 from torch import nn
 
 from toolkit.nn import TiedLinear
@@ -70,15 +71,6 @@ Z_LOSS, SOFTCAP = 1e-4, 30.0
 SHAPES = ((4096, 512, 32000),)
 QUICK_SHAPES = ((1024, 256, 8000),)
 WARMUP_SHAPE = (256, 64, 1000)
-MB = 2**20
-
-
-def _rss_bytes(field: str) -> int:
-    """A field of ``/proc/self/status`` (``VmRSS`` or ``VmHWM``) in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _step(variant: str, head: TiedLinear, h: torch.Tensor, t: torch.Tensor) -> None:
@@ -127,7 +119,7 @@ def measure(variant: str, shape: tuple[int, int, int], steps: int) -> dict[str, 
     gc.collect()
     clear_refs = Path("/proc/self/clear_refs")
     clear_refs.write_text("5")  # reset VmHWM to the current resident set
-    baseline = _rss_bytes("VmRSS")
+    baseline = rss_bytes("VmRSS")
     times = []
     for _ in range(steps):
         embedding.weight.grad = None
@@ -137,7 +129,7 @@ def measure(variant: str, shape: tuple[int, int, int], steps: int) -> dict[str, 
         times.append(time.perf_counter() - start)
     return {
         "seconds": statistics.median(times),
-        "peak_mb": (_rss_bytes("VmHWM") - baseline) / MB,
+        "peak_mb": (rss_bytes("VmHWM") - baseline) / MB,
     }
 
 

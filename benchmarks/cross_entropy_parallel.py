@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from process_memory import MB, rss_bytes
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
@@ -45,15 +46,6 @@ VARIANTS = ("tp_loss_parallel", "tp_toolkit")
 WORLD_SIZE = 2
 WARMUP_SHAPE = (256, 64, 1000)
 RESULT = "RESULT "
-MB = 2**20
-
-
-def _rss_bytes(field: str) -> int:
-    """A field of ``/proc/self/status`` (``VmRSS`` or ``VmHWM``) in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _inputs(
@@ -93,7 +85,7 @@ def measure_rank(variant: str, shape: tuple[int, int, int], steps: int) -> dict[
     gc.collect()
     dist.barrier()
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
-    baseline = _rss_bytes("VmRSS")
+    baseline = rss_bytes("VmRSS")
     times = []
     for _ in range(steps):
         embedding.weight.grad = None
@@ -102,7 +94,7 @@ def measure_rank(variant: str, shape: tuple[int, int, int], steps: int) -> dict[
         start = time.perf_counter()
         _step(variant, head, h, t)
         times.append(time.perf_counter() - start)
-    mine = (statistics.median(times), (_rss_bytes("VmHWM") - baseline) / MB)
+    mine = (statistics.median(times), (rss_bytes("VmHWM") - baseline) / MB)
     ranks: list[tuple[float, float]] = [(0.0, 0.0)] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     return {
