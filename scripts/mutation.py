@@ -212,8 +212,11 @@ def slow_tests() -> list[str]:
     return [*args, *SLOW_SELECTION]
 
 
-def run_slow(args: Sequence[str], env: dict[str, str]) -> int | None:
-    """Run the slow tests; their exit code, or None if they ran past ``SLOW_TIMEOUT_S``."""
+def run_slow(args: Sequence[str], env: dict[str, str], *, show: bool = False) -> int | None:
+    """Run the slow tests; their exit code, or None if they ran past ``SLOW_TIMEOUT_S``.
+
+    Their output's tail is printed when pytest itself broke, or on any failure with ``show``.
+    """
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
     try:
         done = subprocess.run(
@@ -225,9 +228,11 @@ def run_slow(args: Sequence[str], env: dict[str, str]) -> int | None:
             stderr=subprocess.STDOUT,
             check=False,
         )
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as expired:
+        if show and expired.stdout:
+            sys.stdout.write(expired.stdout.decode(errors="replace")[-4000:])
         return None
-    if done.returncode not in (0, 1):
+    if done.returncode not in (0, 1) or (show and done.returncode != 0):
         sys.stdout.write(done.stdout.decode(errors="replace")[-4000:])
     return done.returncode
 
@@ -240,7 +245,7 @@ def slow_pass(mutants: Sequence[Mutant], sources: dict[str, Path]) -> list[Mutan
     env["PYTHONPATH"] = str(WORKSPACE / "src")
     args = slow_tests()
     started = time.monotonic()
-    if run_slow(args, env) != 0:
+    if run_slow(args, env, show=True) != 0:
         raise SystemExit("the slow tests fail on the unmutated sources; fix them first")
     print(f"slow tests pass on the unmutated sources in {time.monotonic() - started:.0f} s")
     killed: list[Mutant] = []
