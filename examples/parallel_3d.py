@@ -5,14 +5,18 @@
 The ranks form a 2 x 2 x 2 mesh ``(pp, dp, tp)``: two pipeline stages under ``Schedule1F1B``,
 each stage sharded by FSDP2 over two data-parallel replicas and by tensor parallelism over
 two ranks. Stage 0 looks the tokens up in the embedding; stage 1 holds the per-task adapters
-and the head, a ``TiedLinear`` reading its own copy of the embedding, vocabulary-sharded by
-``TiedLinearParallel``. ``PipelineTie`` sums the two copies' gradients and
+and the head, a ``TiedLinear`` reading its own copy of the embedding, which tensor
+parallelism shards on the vocabulary; the loss is the head's ``cross_entropy``, on each
+rank's part of the vocabulary. ``PipelineTie`` sums the two copies' gradients and
 ``pipeline_clip_grad_norm_`` clips across all the meshes, counting the tied weight once.
 
-After three steps (with a DCP save after the second and a resume into fresh stages) every
-rank checks that the losses, the gradient norms and the weights are those of the whole model
-trained in one process, and the script exits with status 1 if any differs. ``--report PATH``
-writes what each rank measured as JSON.
+The model is trained twice, with two tensor-parallel plans (``--plan tp``, ``sp`` or
+``both``, the default): the tensor-parallel guide's, where the norms and the adapters stay
+unsharded, and the sequence-parallel one, where the activations between the blocks are
+sharded on the sequence. After three steps of each (with a DCP save after the second and a
+resume into fresh stages) every rank checks that the losses, the gradient norms and the
+weights are those of the whole model trained in one process, and the script exits with
+status 1 if any differs. ``--report PATH`` writes what each rank measured as JSON.
 """
 
 from __future__ import annotations
@@ -36,14 +40,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
-    loss_parallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -51,7 +56,6 @@ from toolkit.nn import (
     ModuleDefaultDict,
     PipelineTie,
     TiedLinear,
-    TiedLinearParallel,
     pipeline_clip_grad_norm_,
     sync_entries,
 )
@@ -60,6 +64,7 @@ VOCAB, DIM, SEQ = 17, 8, 6  # 17 rows: split 9 + 8 by tp, then 5 + 4 and 4 + 4 b
 STEPS, MICROBATCHES, ROWS = 3, 2, 8  # ROWS per step: 2 replicas x 2 microbatches x 2 rows
 LR, MAX_NORM = 0.2, 0.5  # MAX_NORM is below every step's norm, so clipping always scales
 TASK = "lm"
+PLANS = ("tp", "sp")
 
 
 # --8<-- [start:model]
@@ -93,7 +98,10 @@ class TiedLM(nn.Module):
         self.first = self.last = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The tokens' (first stage) or the hidden state's way through this copy's parts."""
+        """The tokens' (first stage) or the hidden state's way through this copy's parts.
+
+        The last part ends before the head: ``loss`` takes its output.
+        """
         h = self.emb(x) if self.first else x
         for block in self.blocks:
             h = block(h)
@@ -102,8 +110,12 @@ class TiedLM(nn.Module):
         assert self.norm is not None
         assert self.adapters is not None
         h = self.norm(h)
-        h = h + self.adapters[TASK](h)
-        return self.head(h)
+        out: torch.Tensor = h + self.adapters[TASK](h)
+        return out
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The head's cross entropy of the last hidden state, without the logits."""
+        return self.head.cross_entropy(h, targets)
 
 
 def split(model: TiedLM, stage: int) -> TiedLM:
@@ -121,6 +133,39 @@ def split(model: TiedLM, stage: int) -> TiedLM:
 
 
 # --8<-- [end:model]
+
+
+# --8<-- [start:plans]
+def tp_plan(stage: int) -> dict[str, ParallelStyle]:
+    """The tensor-parallel guide's plan: the norms and the adapters stay unsharded."""
+    return {
+        # The embedding sharded on the vocabulary, on both stages: stage 1 never looks a
+        # token up in its copy, but the head's cross entropy reads its rows.
+        "emb": RowwiseParallel(input_layouts=Replicate()),
+        f"blocks.{stage}.up": ColwiseParallel(),
+        f"blocks.{stage}.down": RowwiseParallel(),
+    }
+
+
+def sp_plan(stage: int) -> dict[str, ParallelStyle]:
+    """The sequence-parallel plan: the activations between the blocks are ``Shard(1)``.
+
+    What runs token by token (the norms, the adapters) runs on this rank's part of the
+    sequence, with its weights replicated; each block gathers the sequence before its MLP
+    and reduce-scatters it back after.
+    """
+    plan: dict[str, ParallelStyle] = {
+        "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        f"blocks.{stage}.norm": SequenceParallel(),
+        f"blocks.{stage}.up": ColwiseParallel(input_layouts=Shard(1)),
+        f"blocks.{stage}.down": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if stage == 1:
+        plan |= {"norm": SequenceParallel(), f"adapters.{TASK}": SequenceParallel()}
+    return plan
+
+
+# --8<-- [end:plans]
 
 
 def whole_model(seed: int) -> TiedLM:
@@ -144,13 +189,8 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy over every position."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 # --8<-- [start:build]
-def build(mesh: DeviceMesh, seed: int = 0, *, tied: bool = True) -> dict[str, Any]:
+def build(mesh: DeviceMesh, plan: str, seed: int = 0, *, tied: bool = True) -> dict[str, Any]:
     """This rank's stage: split, adapters synchronised, tensor-parallel, FSDP2, scheduled."""
     pp = mesh["pp"].get_local_rank()
     stage = split(whole_model(seed), pp)
@@ -163,26 +203,20 @@ def build(mesh: DeviceMesh, seed: int = 0, *, tied: bool = True) -> dict[str, An
             del stage.adapters[TASK]
         sync_entries(stage, group=last_stage)
         stage.adapters.default_factory = None  # a miss after wrapping raises KeyError
-    # Tensor parallelism: the embedding sharded on the vocabulary on both stages (the last
-    # stage's copy too), each block column- then row-wise, the head on the sharded copy.
-    plan: dict[str, Any] = {
-        "emb": RowwiseParallel(input_layouts=Replicate()),
-        f"blocks.{pp}.up": ColwiseParallel(),
-        f"blocks.{pp}.down": RowwiseParallel(),
-    }
-    parallelize_module(stage, mesh["tp"], plan)
-    if pp == 1:
-        parallelize_module(stage.head.linear, mesh["tp"], TiedLinearParallel())
+    # Tensor parallelism over tp, with either plan.
+    parallelize_module(stage, mesh["tp"], tp_plan(pp) if plan == "tp" else sp_plan(pp))
     # FSDP2 over dp: the block in a unit of its own, the rest (the embedding, and on the
-    # last stage the head that reads it) in the root unit.
+    # last stage the head that reads it) in the root unit. The loss reads the embedding's
+    # weight, so it runs as a forward of the root unit, with the weight unsharded.
     fully_shard(stage.blocks[pp], mesh=mesh["dp"])
     fully_shard(stage, mesh=mesh["dp"])
+    register_fsdp_forward_method(stage, "loss")
     # The tie: the copies of emb.weight on the pipeline's two stages.
     tie = PipelineTie(stage, mesh["pp"]) if tied else None
     schedule = Schedule1F1B(
         PipelineStage(stage, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group()),
         n_microbatches=MICROBATCHES,
-        loss_fn=loss_fn,
+        loss_fn=stage.loss,
     )
     opt = torch.optim.SGD(stage.parameters(), lr=LR)
     return {"mesh": mesh, "stage": stage, "tie": tie, "schedule": schedule, "opt": opt}
@@ -198,11 +232,10 @@ def train_step(run: dict[str, Any], idx: torch.Tensor, targets: torch.Tensor) ->
     replica = mesh["dp"].get_local_rank()
     rows = slice(replica * ROWS // 2, (replica + 1) * ROWS // 2)
     losses: list[torch.Tensor] = []
-    with loss_parallel():  # the logits stay sharded on the vocabulary
-        if mesh["pp"].get_local_rank() == 0:
-            run["schedule"].step(idx[rows])
-        else:
-            run["schedule"].step(target=targets[rows], losses=losses)
+    if mesh["pp"].get_local_rank() == 0:
+        run["schedule"].step(idx[rows])
+    else:
+        run["schedule"].step(target=targets[rows], losses=losses)
     if tie is not None:
         tie.reduce_grads()  # one all_reduce of the local shards over pp
     norm = pipeline_clip_grad_norm_(stage.parameters(), MAX_NORM, group=mesh["pp"], tie=tie)
@@ -279,7 +312,7 @@ def counted_step(run: dict[str, Any], batch: tuple[torch.Tensor, torch.Tensor]) 
 
 
 def reference() -> dict[str, Any]:
-    """The whole model in one process, as the pipeline should train it."""
+    """The whole model in one process, as the pipeline should train it (with either plan)."""
     model = whole_model(0)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     steps = []
@@ -287,7 +320,7 @@ def reference() -> dict[str, Any]:
         chunks = 2 * MICROBATCHES  # replica-major, as the replicas' losses are gathered
         h_of = functools.partial(_reference_forward, model)
         losses = [
-            loss_fn(h_of(i), t)
+            F.cross_entropy(h_of(i).flatten(0, 1), t.flatten())
             for i, t in zip(idx.chunk(chunks), targets.chunk(chunks), strict=True)
         ]
         torch.autograd.backward(torch.stack(losses).mean())
@@ -299,34 +332,22 @@ def reference() -> dict[str, Any]:
 
 
 def _reference_forward(model: TiedLM, idx: torch.Tensor) -> torch.Tensor:
-    """The forward with the head written out: ``F.linear`` on the embedding's weight."""
-    h = model.emb(idx)
-    for block in model.blocks:
-        h = block(h)
-    assert model.norm is not None
-    assert model.adapters is not None
-    h = model.norm(h)
-    h = h + model.adapters[TASK](h)
-    return F.linear(h, model.emb.weight)
+    """The logits, with the head written out: ``F.linear`` on the embedding's weight."""
+    return F.linear(model(idx), model.emb.weight)
 
 
-def main() -> int:
-    """Train, resume, check against one process; 1 if anything differs."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--report", help="write each rank's measurements to this JSON file")
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+def train(mesh: DeviceMesh, plan: str, expected: dict[str, Any]) -> dict[str, Any]:
+    """Train with ``plan``, resume, and compare with one process: what this rank measured."""
     rank = dist.get_rank()
     data = batches()
 
     # The communication of the second step (the first also infers the pipeline's shapes),
     # untied here and tied below.
-    untied = build(mesh, tied=False)
+    untied = build(mesh, plan, tied=False)
     train_step(untied, *data[0])
     counts = {"untied": counted_step(untied, data[1])}
 
-    run = build(mesh)
+    run = build(mesh, plan)
     steps = []
     for number, batch in enumerate(data, 1):
         if number == 2:
@@ -338,7 +359,7 @@ def main() -> int:
             steps.append(train_step(run, *batch))
         if rank == 4:  # the last stage's first rank holds the losses
             mean = sum(steps[-1]["losses"]) / MICROBATCHES
-            print(f"step {number}: loss {mean:.4f} (replica 0)", flush=True)
+            print(f"{plan} step {number}: loss {mean:.4f} (replica 0)", flush=True)
         if number == STEPS - 1:
             folder = [tempfile.mkdtemp(prefix="parallel-3d-") if rank == 0 else ""]
             dist.broadcast_object_list(folder, src=0)
@@ -347,49 +368,77 @@ def main() -> int:
     state = full_state(run["stage"])
 
     # Resume after step 2 into stages built afresh from other weights.
-    fresh = build(mesh, seed=1)
+    fresh = build(mesh, plan, seed=1)
     loaded = get_model_state_dict(fresh["stage"])
     dcp.load(loaded, checkpoint_id=folder[0])  # type: ignore[attr-defined]
     set_model_state_dict(fresh["stage"], loaded)
     resumed = train_step(fresh, *data[-1])
     resumed_state = full_state(fresh["stage"])
 
-    expected = reference()
     problems = []
     last = mesh["pp"].get_local_rank() == 1
     for number, (got, want) in enumerate(zip(steps, expected["steps"], strict=True), 1):
         replica = mesh["dp"].get_local_rank()
         want_losses = want["losses"][replica * MICROBATCHES : (replica + 1) * MICROBATCHES]
         if not torch.allclose(torch.tensor(got["norm"]), torch.tensor(want["norm"]), rtol=1e-5):
-            problems.append(f"step {number}: norm {got['norm']} != {want['norm']}")
+            problems.append(f"{plan} step {number}: norm {got['norm']} != {want['norm']}")
         if last and not torch.allclose(torch.tensor(got["losses"]), torch.tensor(want_losses)):
-            problems.append(f"step {number}: losses {got['losses']} != {want_losses}")
+            problems.append(f"{plan} step {number}: losses {got['losses']} != {want_losses}")
     for key, value in state.items():
         if not torch.allclose(value, expected["state"][key], rtol=1e-5, atol=1e-6):
-            problems.append(f"weight {key} differs from the one-process model's")
+            problems.append(f"{plan}: weight {key} differs from the one-process model's")
         if not torch.equal(resumed_state[key], value):
-            problems.append(f"weight {key} after the resumed step 3 differs")
+            problems.append(f"{plan}: weight {key} after the resumed step 3 differs")
     if resumed != steps[-1]:
-        problems.append(f"resumed step 3 {resumed} != uninterrupted {steps[-1]}")
-    result = {
-        "rank": rank,
-        "coords": [mesh[name].get_local_rank() for name in ("pp", "dp", "tp")],
+        problems.append(f"{plan}: resumed step 3 {resumed} != uninterrupted {steps[-1]}")
+    return {
         "steps": steps,
         "resumed": resumed,
-        "expected": expected["steps"],
         "keys": sorted(state),
         "counts": counts,
         "shard": _local(run["stage"].emb.weight).numel(),  # what the tie reduces
+        "meshes": {
+            name: list(param.device_mesh.mesh_dim_names or ())
+            for name, param in run["stage"].named_parameters()
+        },
         "problems": problems,
+    }
+
+
+def main() -> int:
+    """Train with each plan, resume, check against one process; 1 if anything differs."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--plan", choices=[*PLANS, "both"], default="both")
+    parser.add_argument("--report", help="write each rank's measurements to this JSON file")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    rank = dist.get_rank()
+    expected = reference()
+    plans = PLANS if args.plan == "both" else (args.plan,)
+    result = {
+        "rank": rank,
+        "coords": [mesh[name].get_local_rank() for name in ("pp", "dp", "tp")],
+        "expected": expected["steps"],
+        "plans": {plan: train(mesh, plan, expected) for plan in plans},
     }
     results: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(results, result)
-    failed = [f"rank {r['rank']}: {p}" for r in results for p in r["problems"]]
+    failed = [
+        f"rank {r['rank']}: {p}"
+        for r in results
+        for run in r["plans"].values()
+        for p in run["problems"]
+    ]
     if rank == 0:
         if args.report:
             with open(args.report, "w") as file:
                 json.dump(results, file)
-        print("\n".join(failed) or "parity with one process: losses, norms and weights match")
+        checked = " and ".join(plans)
+        print(
+            "\n".join(failed)
+            or f"parity with one process ({checked}): losses, norms and weights match"
+        )
     dist.destroy_process_group()
     return 1 if failed else 0
 
