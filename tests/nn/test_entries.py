@@ -66,8 +66,12 @@ def test_the_prefix_is_stripped_and_keys_without_it_are_ignored() -> None:
 
 def test_a_prefix_without_a_final_dot_is_an_error_naming_the_fix() -> None:
     model = Model()
-    with pytest.raises(ValueError, match=r"prefix 'model' must end with '\.'.*prefix='model\.'"):
+    with pytest.raises(ValueError, match="must end with") as info:
         create_entries(model, ["model.heads.a.weight"], prefix="model")
+    assert str(info.value) == (  # the one golden message
+        "create_entries prefix 'model' must end with '.', as state-dict keys separate names "
+        "with it; pass prefix='model.'"
+    )
     assert list(model.heads) == []
 
 
@@ -151,6 +155,13 @@ def test_keys_without_the_prefix_they_need_are_an_error_naming_it(prefix: str) -
     for fact in ("4 keys", "'model.heads.a.weight'", f"prefix {prefix!r} is removed"):
         assert fact in message
     assert message.endswith("pass prefix='model.'")
+    if prefix:  # the one golden message
+        assert message == (
+            "create_entries: not one of the 4 keys, such as 'model.heads.a.weight', names a "
+            "parameter, buffer or entry of the module once the prefix 'module.' is removed, so "
+            "a resume would restore nothing of it; the keys name it under the prefix 'model.': "
+            "pass prefix='model.'"
+        )
 
 
 def test_the_prefix_named_is_the_one_most_keys_share() -> None:
@@ -230,8 +241,14 @@ def test_both_refuse_a_wrapped_model_naming_the_wrapper(kind: str) -> None:
     fix = f"wrapped by {wrapper}.*create the entries before wrapping$"
     with pytest.raises(ValueError, match=f"^create_entries: .*{fix}"):
         create_entries(wrapped, ["heads.b.weight"])
-    with pytest.raises(ValueError, match=f"^sync_entries: rank 0: .*{fix}"):
+    with pytest.raises(ValueError, match=f"^sync_entries: rank 0: .*{fix}") as info:
         sync_entries(wrapped)
+    if kind == "ddp":  # the one golden message
+        assert str(info.value) == (
+            "sync_entries: rank 0: the module is wrapped by DistributedDataParallel, which only "
+            "manages the parameters that existed when it wrapped; create the entries before "
+            "wrapping"
+        )
     assert list(model.heads) == ["a"]
 
 
@@ -240,8 +257,12 @@ def test_a_submodule_of_a_sharded_model_is_refused_for_its_dtensors() -> None:
     model = Model()
     model.heads["a"]
     fully_shard(model)
-    with pytest.raises(ValueError, match=r"a\.weight is a DTensor.*entries before fully_shard$"):
+    with pytest.raises(ValueError, match="DTensor") as info:
         create_entries(model.heads, ["b.weight"])
+    assert str(info.value) == (  # the one golden message
+        "create_entries: parameter a.weight is a DTensor: the model is already sharded; "
+        "create the entries before fully_shard"
+    )
 
 
 @pytest.mark.usefixtures("one_rank")

@@ -520,7 +520,7 @@ def test_a_conversion_that_fails_on_the_probes_runs_and_then_a_miss_raises(start
     assert heads._apply(lambda t: t.reshape(2)) is heads
     assert heads["kept"].weight.shape == (2,)
     heads.to(start)  # a conversion afterwards cannot tell where entries would be either
-    with pytest.raises(RuntimeError, match="cannot place a new entry") as info:
+    with pytest.raises(RuntimeError, match=r"^ModuleDefaultDict cannot place a new entry") as info:
         heads["a"]
     assert "shape '[2]' is invalid" in str(info.value)  # the probe's own error
     assert "Create the entries before such a conversion" in str(info.value)  # the fix
@@ -825,6 +825,36 @@ BAD_FACTORIES: dict[str, tuple[object, list[str]]] = {
 }
 
 
+# One golden message each: the rest of the tests assert their facts.
+GOLDEN_FACTORY_ERRORS = {
+    "int": (
+        "ModuleDefaultDict.default_factory must be callable or None, got int 3; pass a Module "
+        "class or a functools.partial that builds one"
+    ),
+    "dict": (
+        "ModuleDefaultDict.default_factory must build a new Module, got a dict; to start from a "
+        "mapping's entries, pass it second: ModuleDefaultDict(None, mapping) or "
+        "ModuleDefaultDict(factory, mapping)"
+    ),
+    "module": (
+        "ModuleDefaultDict.default_factory must build a new Module on each call, got a Linear "
+        "instance, whose call is its forward; pass a callable that builds one, such as "
+        "lambda: Linear(...) or functools.partial(Linear, ...)"
+    ),
+    "class": (
+        "ModuleDefaultDict.default_factory is called with no arguments, but <class "
+        "'torch.nn.modules.linear.Linear'> needs in_features, out_features; bind them with "
+        "functools.partial(Linear, in_features, out_features), or pass a lambda that builds "
+        "the module"
+    ),
+    "partial": (
+        "ModuleDefaultDict.default_factory is called with no arguments, but "
+        "functools.partial(<class 'torch.nn.modules.linear.Linear'>, 4) needs out_features; "
+        "bind them with functools.partial, or pass a lambda that builds the module"
+    ),
+}
+
+
 @pytest.mark.parametrize("name", list(BAD_FACTORIES))
 def test_a_factory_that_cannot_build_entries_is_refused_naming_the_fix(name: str) -> None:
     """At construction and on assignment; an assignment keeps the factory and the entries."""
@@ -832,6 +862,7 @@ def test_a_factory_that_cannot_build_entries_is_refused_naming_the_fix(name: str
     with pytest.raises(TypeError) as info:
         ModuleDefaultDict(bad)  # type: ignore[arg-type]
     assert all(fact in str(info.value) for fact in facts), str(info.value)
+    assert str(info.value) == GOLDEN_FACTORY_ERRORS.get(name, str(info.value))
     d = ModuleDefaultDict(nn.ReLU)
     d["x"]
     with pytest.raises(TypeError) as assigned:
@@ -866,6 +897,20 @@ KEY_USES: dict[str, Callable[[ModuleDefaultDict[Any], Any], object]] = {
 }
 
 
+GOLDEN_KEY_ERRORS = {
+    "int": "ModuleDefaultDict keys must be str, got int 3; module names are strings",
+    "empty": "ModuleDefaultDict key must be a non-empty string, got ''",
+    "dotted": (
+        "ModuleDefaultDict key 'a.b' contains '.', which separates submodule names in "
+        "state_dict keys; use another character such as '_'"
+    ),
+    "attribute": (
+        "ModuleDefaultDict key 'training' clashes with the existing attribute _Heads.training; "
+        "choose another name"
+    ),
+}
+
+
 @pytest.mark.parametrize("how", list(KEY_USES))
 @pytest.mark.parametrize("name", list(BAD_KEYS))
 def test_a_key_that_cannot_be_an_entry_is_refused_naming_it_and_the_fix(
@@ -880,6 +925,7 @@ def test_a_key_that_cannot_be_an_entry_is_refused_naming_it_and_the_fix(
         KEY_USES[how](d, key)
     message = str(info.value.args[0])
     assert all(fact in message for fact in facts), message
+    assert message == GOLDEN_KEY_ERRORS.get(name, message)
     assert info.value.__context__ is None  # not chained to the internal lookup
     assert factory.calls == 0
     assert list(d.items()) == before
@@ -898,6 +944,15 @@ def test_a_factory_returning_a_non_module_is_a_type_error_naming_factory_result_
         assert fact in str(info.value)
     assert info.value.__context__ is None
     assert list(d.items()) == before
+
+
+def test_the_message_for_a_factory_returning_a_non_module() -> None:
+    with pytest.raises(TypeError) as info:
+        ModuleDefaultDict(functools.partial(int, 3))["head"]
+    assert str(info.value) == (
+        "ModuleDefaultDict.default_factory functools.partial(<class 'int'>, 3) returned 3 "
+        "(type int) for key 'head'; it must return an nn.Module instance"
+    )
 
 
 def test_a_factory_that_raises_leaves_nothing_behind() -> None:

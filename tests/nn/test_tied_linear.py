@@ -594,6 +594,39 @@ def test_a_tied_lm_compiles_in_one_graph_with_no_break() -> None:
 
 # Errors: the type, the names, the shapes and the fix ------------------------------------------
 
+# One golden message each, by test id: the rest of the tests assert their facts.
+GOLDEN = {
+    "module": (
+        "TiedLinear needs a module with a 'weight' attribute to tie to, but ReLU has none; "
+        "pass the module that owns the shared weight, such as the token embedding"
+    ),
+    "tensor": (
+        "TiedLinear needs a module with a 'weight' attribute to tie to, but Tensor has none; "
+        "pass the module that owns this tensor (such as the nn.Embedding), not the tensor itself"
+    ),
+    "namespace": (
+        "TiedLinear ties to an nn.Module, got SimpleNamespace, which has a 'weight' but is not "
+        "a Module; pass the nn.Module that owns the weight, such as the nn.Embedding"
+    ),
+    "weight-none": (
+        "TiedLinear needs LayerNorm.weight to be a 2-D tensor, got NoneType; tie to a module "
+        "whose weight is a tensor"
+    ),
+    "1-D": (
+        "TiedLinear needs LayerNorm.weight to be 2-D (out_features, in_features), got shape "
+        "(4,); tie to a module with a matrix weight, such as nn.Embedding or nn.Linear"
+    ),
+    "parameter": (
+        "TiedLinear needs Embedding.weight to be 2-D (out_features, in_features) when called, "
+        "got shape (3,); a weight assigned to the tied module after TiedLinear was built must "
+        "be 2-D too"
+    ),
+    "float": (
+        "TiedLinear needs Embedding.weight to be a 2-D tensor when called, got float; a weight "
+        "assigned to the tied module after TiedLinear was built must be a 2-D tensor too"
+    ),
+}
+
 
 class _IntWeight(nn.Module):
     weight = 3
@@ -608,16 +641,17 @@ class _IntWeight(nn.Module):
         (nn.ReLU(), ["ReLU has none", "token embedding"]),
         (None, ["NoneType has none", "token embedding"]),
     ],
-    ids=["parameter", "tensor", "object", "module", "none"],
+    ids=["a-parameter", "tensor", "object", "module", "none"],
 )
 def test_no_weight_is_an_attribute_error_whatever_the_type_as_in_torchtune(
-    no_weight: object, facts: list[str], torchtune_tied_linear: type
+    no_weight: object, facts: list[str], torchtune_tied_linear: type, request: Any
 ) -> None:
     with pytest.raises(AttributeError):
         torchtune_tied_linear(no_weight)
     with pytest.raises(AttributeError) as info:
         TiedLinear(no_weight)  # type: ignore[arg-type]
     assert all(fact in str(info.value) for fact in facts), str(info.value)
+    assert str(info.value) == GOLDEN.get(request.node.callspec.id, str(info.value))
     assert info.value.__suppress_context__  # the failed lookup inside is noise to the caller
 
 
@@ -635,10 +669,10 @@ def test_no_weight_is_an_attribute_error_whatever_the_type_as_in_torchtune(
         (nn.LayerNorm(4), ValueError, ["LayerNorm.weight", "2-D", "(4,)", "nn.Embedding"]),
         (nn.Conv1d(2, 3, 5), ValueError, ["Conv1d.weight", "(3, 2, 5)", "nn.Linear"]),
     ],
-    ids=["namespace", "tied-linear", "none", "int", "1-D", "3-D"],
+    ids=["namespace", "tied-linear", "weight-none", "int", "1-D", "3-D"],
 )
 def test_a_weight_that_cannot_work_is_refused_changing_nothing(
-    module: Any, error: type[Exception], facts: list[str]
+    module: Any, error: type[Exception], facts: list[str], request: Any
 ) -> None:
     before = (
         {k: v.clone() for k, v in module.state_dict().items()}
@@ -648,6 +682,7 @@ def test_a_weight_that_cannot_work_is_refused_changing_nothing(
     with pytest.raises(error) as info:
         TiedLinear(module)
     assert all(fact in str(info.value) for fact in facts), str(info.value)
+    assert str(info.value) == GOLDEN.get(request.node.callspec.id, str(info.value))
     if isinstance(module, nn.Module):
         after = module.state_dict()
         assert all(torch.equal(after[k], v) for k, v in before.items())
@@ -666,9 +701,10 @@ def test_a_weight_that_cannot_work_is_refused_changing_nothing(
         ("none", TypeError, ["Embedding.weight", "got NoneType"]),
         ("float", TypeError, ["Embedding.weight", "got float"]),
     ],
+    ids=["parameter", "parameter-0d", "parameter-3d", "buffer", "property", "none", "float"],
 )
 def test_a_weight_that_is_no_longer_a_2d_tensor_when_called_raises(
-    change: str, error: type[Exception], facts: list[str]
+    change: str, error: type[Exception], facts: list[str], request: Any
 ) -> None:
     """F.linear would take a 1-D weight and drop the output's last dimension."""
     emb = _PropertyOverParameter(7, 3) if change == "property" else nn.Embedding(7, 3)
@@ -691,6 +727,7 @@ def test_a_weight_that_is_no_longer_a_2d_tensor_when_called_raises(
         head(torch.randn(2, 3))
     assert all(fact in str(info.value) for fact in facts), str(info.value)
     assert "after TiedLinear was built" in str(info.value)
+    assert str(info.value) == GOLDEN.get(request.node.callspec.id, str(info.value))
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4,), (), (3, 0, 5)])
@@ -767,6 +804,17 @@ def test_a_weight_fsdp2_resharded_with_a_plain_input_names_the_placement_and_fix
         TiedLinear(emb)(torch.randn(2, 3))
     for fact in ("FSDPEmbedding(7, 3)", "(Shard(dim=0),)", *FSDP_FIXES):
         assert fact in str(info.value)
+    assert str(info.value) == (  # the one golden message
+        "TiedLinear cannot use the weight of the tied module FSDPEmbedding(7, 3): that weight "
+        "is sharded (a DTensor with placements (Shard(dim=0),)) when TiedLinear reads it, and "
+        "the input is a plain tensor. This happens when the FSDP2 unit (fully_shard) holding "
+        "the tied module reshards its parameters after a forward that ends before TiedLinear "
+        "runs: the tied module is its own unit, or is grouped only with modules that do not "
+        "call TiedLinear. Keep the tied module in the unit whose forward calls TiedLinear, "
+        "group it with the module that calls TiedLinear in one unit "
+        "(fully_shard([tied_module, caller])), or keep its weight unsharded after forward "
+        "with fully_shard(tied_module, reshard_after_forward=False)."
+    )
     assert "mixed torch.Tensor and DTensor" in str(info.value.__cause__)
 
 
@@ -775,9 +823,16 @@ def test_a_weight_sharded_by_tensor_parallelism_with_a_plain_input_names_the_fix
 ) -> None:
     with pytest.raises(RuntimeError) as info:
         TiedLinear(_sharded_embedding(one_rank))(torch.randn(2, 3))
-    for fact in ("Embedding(7, 3)", "(Shard(dim=0),)", *TP_FIXES):
-        assert fact in str(info.value)
-    assert "FSDP" not in str(info.value)
+    assert str(info.value) == (  # the one golden message
+        "TiedLinear got a plain-tensor input, but the weight of the tied module "
+        "Embedding(7, 3) is sharded by tensor parallelism (a DTensor with placements "
+        "(Shard(dim=0),)): the head's input must be a DTensor on the same device mesh. "
+        "Prepare the head's input by applying toolkit.nn.TiedLinearParallel to the head's "
+        "linear module, parallelize_module(head.linear, tp_mesh, TiedLinearParallel()), with "
+        "input_layouts=Shard(1) under sequence parallelism; or apply torch's "
+        "PrepareModuleInput(input_layouts=(Replicate(), None), "
+        "desired_input_layouts=(Replicate(), None)) to head.linear."
+    )
 
 
 def test_a_wrong_width_with_dtensor_input_and_weight_is_a_shape_error(
