@@ -522,7 +522,7 @@ def test_a_conversion_that_fails_on_the_probes_runs_and_then_a_miss_raises(start
     heads.to(start)  # a conversion afterwards cannot tell where entries would be either
     with pytest.raises(RuntimeError, match=r"^ModuleDefaultDict cannot place a new entry") as info:
         heads["a"]
-    assert "shape '[2]' is invalid" in str(info.value)  # the probe's own error
+    assert "(RuntimeError: shape '[2]' is invalid" in str(info.value)  # the probe's error
     assert "Create the entries before such a conversion" in str(info.value)  # the fix
     heads["b"] = Head()  # inserting a module is unaffected
     assert list(heads) == ["kept", "b"]
@@ -591,15 +591,6 @@ def test_entries_that_are_containers_or_dicts_are_restored_whole() -> None:
     assert list(fresh["a"][2]) == ["inner"]
     for key, value in trained.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value)
-
-
-def test_without_a_factory_strict_loading_fails_as_it_always_has() -> None:
-    trained = _MultiTask(Lin)
-    trained.inner.heads["a"]
-    fresh = _MultiTask(None)
-    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*inner\.heads\.a\.weight"):
-        fresh.load_state_dict(trained.state_dict(), strict=True)
-    assert len(fresh.inner.heads) == 0
 
 
 @pytest.mark.parametrize("stray", ["training.weight", "stray"])
