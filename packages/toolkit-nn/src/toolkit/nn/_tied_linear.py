@@ -381,7 +381,7 @@ _OBJECT_GETATTRIBUTE: object = object.__getattribute__
 _MODULE_GETATTR: object = nn.Module.__getattr__
 
 
-def _resolves_weight_plainly(cls: type) -> bool:
+def _resolves_weight_plainly(cls: type[nn.Module]) -> bool:
     """Whether ``module.weight`` is ``Module.__getattr__``'s answer for instances of ``cls``.
 
     ``module.weight`` looks in the type's MRO first (a property, any other descriptor or a
@@ -399,7 +399,7 @@ def _resolves_weight_plainly(cls: type) -> bool:
     """
     return (
         cls.__getattribute__ is _OBJECT_GETATTRIBUTE
-        and getattr(cls, "__getattr__", None) is _MODULE_GETATTR
+        and cls.__getattr__ is _MODULE_GETATTR  # every Module class has one
         and not any("weight" in vars(base) for base in cls.__mro__)
     )
 
