@@ -1,4 +1,4 @@
-"""Small importable modules for the tests, so that pickle can find their classes."""
+"""The tiny models the tests share, importable so that pickle can find their classes."""
 
 from __future__ import annotations
 
@@ -27,6 +27,18 @@ class TiedPair(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.head(self.emb(idx))
+
+
+class TiedLM(nn.Module):
+    """A tied LM with a trunk: the embedding and a norm, so the trunk's output is no view."""
+
+    def __init__(self, vocab: int = 17, dim: int = 8) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Embedding(vocab, dim), nn.LayerNorm(dim))
+        self.head = TiedLinear(self.trunk[0])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(idx))  # type: ignore[no-any-return]
 
 
 class Counter(nn.Module):

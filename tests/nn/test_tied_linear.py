@@ -1,86 +1,417 @@
-"""Example tests for TiedLinear: construction, errors, live reads, hooks, copies and compile."""
+"""TiedLinear: its laws for every shape, dtype and device, then examples, then the errors.
+
+The property tests draw cases from ``tests.strategies.linear_cases``, weighted towards real
+arithmetic (``--hypothesis-show-statistics`` prints the mix); each also runs one fixed
+``meta`` example. Where a law compares TiedLinear with ``F.linear``, it also compares with an
+``einsum`` in double precision that does not call ``F.linear``, within a rounding bound.
+"""
 
 from __future__ import annotations
 
 import copy
 import pickle
-from types import SimpleNamespace
-from typing import Any
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import pytest
 import safetensors.torch
 import torch
 import torch.nn.functional as F
+from hypothesis import example, given
+from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+from torch.nn.modules import module as module_hooks
 from torch.nn.utils import parametrize
 
-from benchmarks.torchtune_reference import load_tied_linear
-from tests.nn.models import TiedPair
+from tests.nn.models import TiedLM, TiedPair
+from tests.nn.threads import run_ranks
+from tests.strategies import DEVICES, LinearCase, linear_cases, make_tensor
 from toolkit.nn import TiedLinear
 
-# Construction and errors -------------------------------------------------------------------
+# Laws -----------------------------------------------------------------------------------------
 
 
-def test_is_not_a_module_and_adds_nothing_to_its_parent() -> None:
-    plain = nn.Module()
-    plain.emb = nn.Embedding(7, 3)
-    tied = nn.Module()
-    tied.emb = nn.Embedding(7, 3)
-    tied.head = TiedLinear(tied.emb)
-
-    assert not isinstance(tied.head, nn.Module)
-    assert isinstance(tied.head.linear, nn.Module)
-    assert [n for n, _ in tied.named_parameters()] == [n for n, _ in plain.named_parameters()]
-    assert list(tied.state_dict()) == list(plain.state_dict())
-    assert [n for n, _ in tied.named_modules()] == [n for n, _ in plain.named_modules()]
-    assert len(list(tied.parameters())) == 1
+def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal shape, dtype and device, and, where there is data, equal bit for bit."""
+    assert (actual.shape, actual.dtype, actual.device) == (
+        expected.shape,
+        expected.dtype,
+        expected.device,
+    )
+    if actual.device.type != "meta":
+        assert torch.equal(actual, expected)
 
 
-def test_missing_weight_is_an_attribute_error_naming_the_type() -> None:
-    with pytest.raises(AttributeError, match=r"ReLU has none.*token embedding"):
-        TiedLinear(nn.ReLU())
+# The unit roundoff of each dtype's real part: F.linear's error is bounded by it.
+EPS = {
+    torch.float64: torch.finfo(torch.float64).eps,
+    torch.float32: torch.finfo(torch.float32).eps,
+    torch.bfloat16: torch.finfo(torch.bfloat16).eps,
+    torch.float16: torch.finfo(torch.float16).eps,
+    torch.complex64: torch.finfo(torch.float32).eps,
+    torch.complex128: torch.finfo(torch.float64).eps,
+}
+
+
+def assert_matches_the_oracle(actual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``actual`` equals ``x @ w.T`` by ``einsum`` in double precision, within rounding.
+
+    Each output element may be off by ``(k + 2) * eps`` times the sum of the magnitudes of its
+    ``k`` products (a dot product accumulated in the dtype, with room for the final rounding
+    and complex products), and by the smallest normal number, for results that underflow.
+    """
+    assert actual.shape == (*x.shape[:-1], w.shape[0])
+    if actual.device.type == "meta":
+        return
+    wide = torch.complex128 if x.dtype.is_complex else torch.float64
+    x64, w64 = x.detach().cpu().to(wide), w.detach().cpu().to(wide)
+    exact = torch.einsum("...i,oi->...o", x64, w64)
+    scale = torch.einsum("...i,oi->...o", x64.abs(), w64.abs())
+    bound = (x.shape[-1] + 2) * EPS[x.dtype] * scale + torch.finfo(actual.real.dtype).tiny
+    error = (actual.detach().cpu().to(wide) - exact).abs()
+    assert bool((error <= bound).all()), f"max error {error.max()} over bound"
+
+
+def build_tied_module(case: LinearCase, kind: str) -> nn.Module:
+    """An embedding or a bias-free linear whose weight is (out_features, in_features)."""
+    options = {"device": case.device, "dtype": case.dtype}
+    if kind == "embedding":
+        module: nn.Module = nn.Embedding(case.out_features, case.in_features, **options)
+    else:
+        module = nn.Linear(case.in_features, case.out_features, bias=False, **options)
+    with torch.no_grad():
+        module.weight.copy_(make_tensor((case.out_features, case.in_features), case, offset=1))
+    return module
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _warm_up() -> None:
+    """Run each device's first build, call and backward here, outside the deadline."""
+    for device in DEVICES:
+        for dtype in (torch.float32, torch.float16):
+            case = LinearCase(device, dtype, (2, 1), 3, 4, seed=0)
+            for kind in ("embedding", "linear"):
+                TiedLinear(build_tied_module(case, kind))(make_tensor(case.x_shape, case))
+            model = TiedPair(4, 3, dtype=dtype, device=device)
+            model(torch.zeros(2, dtype=torch.long, device=device)).sum().backward()
+    torch.einsum("...i,oi->...o", torch.ones(2, 3), torch.ones(4, 3))
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+tied_kinds = st.sampled_from(["embedding", "linear"])
+# The draws put ``meta`` in about one case in twelve; this example keeps it in every run.
+META_CASE = LinearCase("meta", torch.float32, (2, 3), 4, 5, seed=0)
+
+
+def with_meta_example(**arguments: object) -> Callable[[_F], _F]:
+    """``@example(case=META_CASE, **arguments)`` where ``meta`` is one of the devices."""
+    if "meta" not in DEVICES:
+        return lambda test: test
+    return example(case=META_CASE, **arguments)
+
+
+@given(case=linear_cases(), kind=tied_kinds)
+@with_meta_example(kind="linear")
+def test_agrees_with_f_linear_bit_for_bit(case: LinearCase, kind: str) -> None:
+    tied = build_tied_module(case, kind)
+    x = make_tensor(case.x_shape, case)
+    out = TiedLinear(tied)(x)
+    assert out.shape == (*case.lead, case.out_features)
+    assert_same(out, F.linear(x, tied.weight))
+    assert_matches_the_oracle(out, x, tied.weight)
+
+
+@given(case=linear_cases(min_out=1, float_only=True))
+@with_meta_example()
+def test_gradient_is_the_sum_of_both_uses(case: LinearCase) -> None:
+    model = TiedPair(case.out_features, case.in_features, dtype=case.dtype, device=case.device)
+    with torch.no_grad():
+        model.emb.weight.copy_(make_tensor((case.out_features, case.in_features), case, offset=1))
+    generator = torch.Generator().manual_seed(case.seed)
+    idx = torch.randint(0, case.out_features, case.lead, generator=generator).to(case.device)
+    grad_out = make_tensor((*case.lead, case.out_features), case, offset=2)
+
+    model(idx).backward(grad_out)
+
+    # Functional reference: differentiate each use of the weight on its own, then add.
+    w = model.emb.weight.detach().clone().requires_grad_()
+    (through_embedding,) = torch.autograd.grad(
+        F.linear(F.embedding(idx, w), w.detach()), w, grad_out
+    )
+    (through_head,) = torch.autograd.grad(F.linear(F.embedding(idx, w.detach()), w), w, grad_out)
+    grad = model.emb.weight.grad
+    expected = through_embedding + through_head
+    assert grad is not None
+    assert (grad.shape, grad.dtype) == (expected.shape, expected.dtype)
+    if not case.is_meta:
+        torch.testing.assert_close(grad, expected)
+
+
+# Each transformation returns a new model (or the same one changed) and the weight values it
+# should hold, computed without TiedLinear.
+Transform = Callable[[TiedPair, LinearCase, torch.Tensor], tuple[TiedPair, torch.Tensor]]
+
+
+def _fresh(model: TiedPair, device: str | torch.device) -> TiedPair:
+    weight = model.emb.weight
+    return TiedPair(*weight.shape, dtype=weight.dtype, device=device)
+
+
+def _to_dtype(model: TiedPair, case: LinearCase, ref: torch.Tensor) -> Any:
+    target = torch.float64 if model.emb.weight.dtype != torch.float64 else torch.float32
+    return model.to(dtype=target), ref.to(target)
+
+
+def _meta_to_empty(model: TiedPair, case: LinearCase, ref: torch.Tensor) -> Any:
+    fresh = _fresh(model, "meta").to_empty(device=case.device)
+    with torch.no_grad():
+        fresh.emb.weight.copy_(model.emb.weight)
+    return fresh, ref
+
+
+def _load_copy(model: TiedPair, case: LinearCase, ref: torch.Tensor) -> Any:
+    fresh = _fresh(model, case.device)
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    return fresh, ref
+
+
+def _load_assign(model: TiedPair, case: LinearCase, ref: torch.Tensor) -> Any:
+    fresh = _fresh(model, "meta")
+    fresh.load_state_dict(model.state_dict(), strict=True, assign=True)
+    return fresh, ref
+
+
+def _replace_weight(model: TiedPair, case: LinearCase, ref: torch.Tensor) -> Any:
+    ref = ref + 0.5
+    model.emb.weight = nn.Parameter(ref.to(model.emb.weight.device))
+    return model, ref
+
+
+TRANSFORMS: dict[str, Transform] = {
+    "deepcopy": lambda model, case, ref: (copy.deepcopy(model), ref),
+    "pickle": lambda model, case, ref: (pickle.loads(pickle.dumps(model)), ref),
+    "to_dtype": _to_dtype,
+    "meta_to_empty": _meta_to_empty,
+    "load_copy": _load_copy,
+    "load_assign": _load_assign,
+    "replace_weight": _replace_weight,
+}
+
+
+@given(
+    case=linear_cases(min_out=1, float_only=True),
+    steps=st.lists(st.sampled_from(sorted(TRANSFORMS)), min_size=1, max_size=6),
+)
+@with_meta_example(steps=sorted(TRANSFORMS))
+def test_the_tie_survives_any_sequence_of_transformations(
+    case: LinearCase, steps: list[str]
+) -> None:
+    """Copies, pickling, casts, meta init, loading (with assign) and a new Parameter."""
+    model = TiedPair(case.out_features, case.in_features, dtype=case.dtype, device=case.device)
+    ref = make_tensor((case.out_features, case.in_features), case, offset=1).detach()
+    with torch.no_grad():
+        model.emb.weight.copy_(ref)
+    ref = ref.cpu() if not case.is_meta else ref
+
+    for step in steps:
+        model, ref = TRANSFORMS[step](model, case, ref)
+        weight = model.emb.weight
+        assert list(model.parameters()) == [weight]
+        assert list(model.state_dict()) == ["emb.weight"]
+        assert model.head.tied_module is model.emb
+        assert model.head.weight is weight
+        x = make_tensor(case.x_shape, case).to(weight.dtype)
+        out = model.head(x)
+        assert_same(out, F.linear(x, weight))
+        assert_matches_the_oracle(out, x, weight)
+        if not case.is_meta:
+            assert torch.equal(weight.detach().cpu(), ref)
+
+
+@pytest.mark.parametrize("kind", ["embedding", "linear"])
+def test_laws_hold_for_a_fixed_example(kind: str) -> None:
+    # A fixed, hand-checked instance of the laws above, so a broken strategy cannot hide them.
+    case = LinearCase("cpu", torch.float64, (2,), 2, 3, seed=0)
+    tied = build_tied_module(case, kind)
+    with torch.no_grad():
+        tied.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
+    x = torch.tensor([[2.0, 3.0], [-1.0, 4.0]], dtype=torch.float64)
+    expected = torch.tensor([[2.0, 3.0, 5.0], [-1.0, 4.0, 3.0]], dtype=torch.float64)
+    assert torch.equal(TiedLinear(tied)(x), expected)
+
+
+# Every call uses exactly what ``tied_module.weight`` gives ------------------------------------
+
+
+class _BufferWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.randn(7, 3))
+
+
+class _PlainWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.randn(7, 3)  # not a Parameter, so a plain attribute
+
+
+class _PropertyOverParameter(nn.Embedding):
+    """Keeps the table as the Parameter ``weight`` but presents it scaled, via a property."""
+
+    scale = 2.0
+
+    @property  # type: ignore[override]
+    def weight(self) -> torch.Tensor:
+        raw = self._parameters.get("weight")
+        if raw is None:  # while nn.Embedding.__init__ registers it
+            raise AttributeError("weight")
+        return raw * self.scale
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():  # nn.Embedding's would initialise a scaled copy
+            self._parameters["weight"].normal_()  # type: ignore[union-attr]
+
+
+class _ClassAttributeOverParameter(nn.Embedding):
+    """A class attribute ``weight`` hides the Parameter registered under the same name."""
+
+    weight = torch.ones(7, 3)  # type: ignore[assignment]
+
+
+class _GetattrOverParameter(nn.Embedding):
+    """Forwards ``weight`` to another tensor, as wrappers that forward attributes do."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "weight" and "other" in self._buffers:
+            return self._buffers["other"]
+        return super().__getattr__(name)
+
+
+class _GetattributeOverParameter(nn.Embedding):
+    """Intercepts every attribute read and answers ``weight`` with its rows reversed."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "weight":
+            return super().__getattr__("weight").flip(0)
+        return super().__getattribute__(name)
+
+
+class _PlainEmbedding(nn.Embedding):
+    """A subclass that changes nothing about how ``weight`` is found."""
+
+
+class _Negate(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return -weight
+
+
+class _Holder:
+    """Something with a weight that is no Module (and no ``__getattr__``)."""
+
+    def __init__(self) -> None:
+        self.weight = torch.randn(7, 3)
+
+
+def _become(cls: type[nn.Module]) -> Callable[[TiedLinear], None]:
+    def change(head: TiedLinear) -> None:
+        if cls is _GetattrOverParameter:
+            head.tied_module.register_buffer("other", torch.randn(7, 3))
+        head.tied_module.__class__ = cls
+
+    return change
+
+
+def _replace(weight: Callable[[], torch.Tensor]) -> Callable[[TiedLinear], None]:
+    def change(head: TiedLinear) -> None:
+        del head.tied_module.weight
+        head.tied_module.weight = weight()
+
+    return change
+
+
+# Changes made to an nn.Embedding(7, 3) after TiedLinear has read it once.
+CHANGES: dict[str, Callable[[TiedLinear], None]] = {
+    "new parameter": lambda head: setattr(
+        head.tied_module, "weight", nn.Parameter(torch.ones(7, 3))
+    ),
+    "buffer": lambda head: (
+        delattr(head.tied_module, "weight"),
+        head.tied_module.register_buffer("weight", torch.randn(7, 3)),
+    ),
+    "plain attribute": _replace(lambda: torch.randn(7, 3)),
+    "parametrization": lambda head: parametrize.register_parametrization(
+        head.tied_module, "weight", _Negate()
+    ),
+    "property": _become(_PropertyOverParameter),
+    "class attribute": _become(_ClassAttributeOverParameter),
+    "__getattr__": _become(_GetattrOverParameter),
+    "__getattribute__": _become(_GetattributeOverParameter),
+    "instance __dict__": lambda head: head.tied_module.__dict__.update(weight=torch.randn(7, 3)),
+    "plain subclass": _become(_PlainEmbedding),
+    "another plain module": lambda head: setattr(head, "tied_module", nn.Linear(3, 7)),
+    "not a module": lambda head: setattr(head, "tied_module", _Holder()),
+    "to meta": lambda head: head.tied_module.to("meta"),
+}
+
+
+HEAD_CHANGES = ("another plain module", "not a module")
 
 
 @pytest.mark.parametrize(
-    ("module", "error", "match"),
+    ("change", "when"),
     [
-        (nn.LayerNorm(4, elementwise_affine=False), TypeError, r"LayerNorm\.weight .*got NoneType"),
-        (nn.LayerNorm(4), ValueError, r"LayerNorm\.weight to be 2-D .*shape \(4,\)"),
-        (nn.Conv1d(2, 3, 5), ValueError, r"Conv1d\.weight to be 2-D .*shape \(3, 2, 5\)"),
+        (change, when)
+        for when in ("before building", "after a call")
+        for change in CHANGES
+        if when == "after a call" or change not in HEAD_CHANGES
     ],
 )
-def test_a_weight_that_cannot_work_is_rejected_clearly(
-    module: nn.Module, error: type[Exception], match: str
-) -> None:
-    before = {k: v.clone() for k, v in module.state_dict().items()}
-    with pytest.raises(error, match=match):
-        TiedLinear(module)
-    after = module.state_dict()
-    assert list(after) == list(before)
-    assert all(torch.equal(after[k], v) for k, v in before.items())
-    assert not module._forward_hooks
-    assert not module._forward_pre_hooks
+def test_a_call_uses_exactly_what_tied_module_weight_gives(change: str, when: str) -> None:
+    """A Parameter, buffer, attribute, parametrization, property, class attribute or
+    ``__getattr__``, whether the module was built so or changed later, on every call."""
+    emb = nn.Embedding(7, 3)
+    head = TiedLinear(emb)
+    x = torch.randn(2, 3)
+    original = emb.weight.detach().clone()
+    if when == "after a call":
+        assert torch.equal(head(x), F.linear(x, emb.weight))
+        CHANGES[change](head)
+    else:
+        CHANGES[change](head)
+        head = TiedLinear(head.tied_module)
+    weight = head.tied_module.weight
+    if change not in ("plain subclass", "to meta"):  # the case is real: the Parameter differs
+        assert not torch.equal(weight, original)
+    for _ in range(2):  # and again, once anything is cached
+        assert_same(head(x.to(weight.device)), F.linear(x.to(weight.device), weight))
 
 
-@pytest.mark.parametrize(
-    "not_a_module", [SimpleNamespace(weight=torch.randn(7, 3)), TiedLinear(nn.Embedding(7, 3))]
-)
-def test_something_with_a_weight_that_is_not_a_module_is_a_type_error(
-    not_a_module: object,
-) -> None:
-    name = type(not_a_module).__name__
-    with pytest.raises(TypeError) as info:
-        TiedLinear(not_a_module)  # type: ignore[arg-type]
-    assert str(info.value) == (
-        f"TiedLinear ties to an nn.Module, got {name}, which has a 'weight' but is not a "
-        "Module; pass the nn.Module that owns the weight, such as the nn.Embedding"
-    )
+def test_a_weight_changed_in_place_or_through_functional_call_is_used() -> None:
+    model = TiedPair(7, 3)
+    idx = torch.tensor([0, 4])
+    other = torch.randn(7, 3)
+    out = torch.func.functional_call(model, {"emb.weight": other}, (idx,))
+    assert torch.equal(out, F.linear(F.embedding(idx, other), other))
+    with torch.no_grad():
+        model.emb.weight.zero_()
+    assert torch.equal(model(idx), torch.zeros(2, 7))
 
 
 def test_an_uninitialized_lazy_weight_is_accepted_and_read_once_initialized() -> None:
     lazy = nn.LazyLinear(5, bias=False)
     head = TiedLinear(lazy)
-    assert "uninitialized" in repr(head)
+    assert repr(head) == (
+        "TiedLinear(in_features=<uninitialized>, out_features=<uninitialized>, "
+        "tied_to=LazyLinear(in_features=0, out_features=5, bias=False).weight)"
+    )
+    with pytest.raises(ValueError, match="uninitialized parameter"):
+        head(torch.randn(2, 3))
     with pytest.raises(RuntimeError, match="uninitialized parameter"):
         head.in_features  # noqa: B018 - the read is what is tested
     lazy(torch.randn(2, 3))  # materializes a (5, 3) weight
@@ -89,117 +420,26 @@ def test_an_uninitialized_lazy_weight_is_accepted_and_read_once_initialized() ->
     assert (head.in_features, head.out_features) == (3, 5)
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (4,), (3, 2, 5)])
-def test_a_wrong_input_width_names_both_shapes(shape: tuple[int, ...]) -> None:
-    emb = nn.Embedding(7, 3)
-    before = emb.weight.detach().clone()
-    with pytest.raises(
-        RuntimeError, match=rf"input has shape \({shape[0]},.*\(7, 3\).*in_features=3"
-    ):
-        TiedLinear(emb)(torch.randn(shape))
-    assert torch.equal(emb.weight, before)
-
-
-def test_a_zero_dim_input_is_explained() -> None:
-    with pytest.raises(RuntimeError, match=r"input has shape \(\).*in_features=3"):
-        TiedLinear(nn.Embedding(7, 3))(torch.tensor(1.0))
-
-
-def test_other_failures_keep_torchs_own_error() -> None:
-    head = TiedLinear(nn.Embedding(7, 3))
-    with pytest.raises(RuntimeError, match="dtype") as info:
-        head(torch.randn(2, 3, dtype=torch.float64))
-    assert "TiedLinear" not in str(info.value)
-
-
-# Live reads --------------------------------------------------------------------------------
-
-
-def test_a_new_parameter_on_the_tied_module_is_used() -> None:
-    emb = nn.Embedding(7, 3)
-    head = TiedLinear(emb)
-    emb.weight = nn.Parameter(torch.ones(7, 3))
-    assert torch.equal(head(torch.ones(3)), torch.full((7,), 3.0))
-
-
-def test_meta_init_then_to_empty_is_used() -> None:
-    model = TiedPair(7, 3, device="meta")
-    assert model.head(torch.empty(3, device="meta")).device.type == "meta"
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.emb.weight.copy_(torch.eye(7, 3))
-    x = torch.randn(2, 3)
-    assert torch.equal(model.head(x), x @ torch.eye(7, 3).T)
-
-
-def test_load_state_dict_with_assign_is_used() -> None:
-    model = TiedPair(7, 3, device="meta")
-    weight = torch.randn(7, 3)
-    model.load_state_dict({"emb.weight": weight}, assign=True)
-    x = torch.randn(2, 3)
-    assert torch.equal(model.head(x), F.linear(x, weight))
-
-
-def test_to_dtype_is_used() -> None:
-    model = TiedPair(7, 3).to(torch.float64)
-    out = model.head(torch.randn(2, 3, dtype=torch.float64))
-    assert out.dtype == torch.float64
-
-
-def test_to_device_is_used() -> None:
-    model = TiedPair(7, 3).to("meta")
-    assert model.head.weight.device.type == "meta"
-    assert model.head(torch.empty(2, 3, device="meta")).device.type == "meta"
-
-
-class _Scale(nn.Module):
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return 2 * weight
-
-
-def test_a_parametrized_weight_is_used() -> None:
-    emb = nn.Embedding(7, 3)
-    raw = emb.weight.detach().clone()
-    parametrize.register_parametrization(emb, "weight", _Scale())
-    head = TiedLinear(emb)
-    x = torch.randn(2, 3)
-    assert torch.equal(head(x), F.linear(x, 2 * raw))
-
-
-def test_functional_call_on_the_parent_is_used() -> None:
-    model = TiedPair(7, 3)
-    other = torch.randn(7, 3)
-    idx = torch.tensor([0, 4])
-    out = torch.func.functional_call(model, {"emb.weight": other}, (idx,))
-    assert torch.equal(out, F.linear(F.embedding(idx, other), other))
-    assert not torch.equal(model.emb.weight, other)
-
-
-def test_weight_and_features_are_live_and_read_only() -> None:
-    emb = nn.Embedding(7, 3)
-    head = TiedLinear(emb)
-    assert head.weight is emb.weight
-    assert (head.in_features, head.out_features) == (3, 7)
-    emb.weight = nn.Parameter(torch.zeros(9, 4))
-    assert head.weight is emb.weight
+def test_weight_and_features_are_live_read_only_and_shown_by_repr() -> None:
+    lin = nn.Linear(3, 7)
+    head = TiedLinear(lin)
+    assert head.weight is lin.weight
+    assert repr(head) == (
+        "TiedLinear(in_features=3, out_features=7, "
+        "tied_to=Linear(in_features=3, out_features=7, bias=True).weight)"
+    )
+    lin.weight = nn.Parameter(torch.zeros(9, 4))
+    assert head.weight is lin.weight
     assert (head.in_features, head.out_features) == (4, 9)
-    for name in ("weight", "in_features", "out_features"):
+    assert repr(head).startswith("TiedLinear(in_features=4, out_features=9, tied_to=Linear(")
+    for name in ("weight", "in_features"):
         with pytest.raises(AttributeError):
             setattr(head, name, None)
-    assert head.weight is emb.weight
-
-
-def test_out_features_may_be_set_only_to_the_live_value() -> None:
-    # transformers sets it after resizing the tied embedding, which the live read follows.
-    emb = nn.Embedding(7, 3)
-    head = TiedLinear(emb)
-    emb.weight = nn.Parameter(torch.zeros(9, 3))
+    # transformers sets out_features after resizing the tied embedding, to the live value.
     head.out_features = 9
-    assert head.out_features == 9
-    with pytest.raises(AttributeError, match=r"first dimension, 9.*set to 8.*resize tied_module"):
+    with pytest.raises(AttributeError, match=r"9.*set to 8.*resize tied_module"):
         head.out_features = 8
-    assert head.out_features == 9
-    assert emb.weight.shape == (9, 3)
+    assert (head.out_features, head.weight.shape) == (9, (9, 4))
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
@@ -212,125 +452,9 @@ def test_requires_grad_sets_the_tied_weight_as_a_module_would(requires_grad: boo
     assert head.requires_grad_(requires_grad) is head
     assert linear.requires_grad_(requires_grad) is linear
     assert emb.weight.requires_grad is linear.weight.requires_grad is requires_grad
-    # With no argument it unfreezes, as Module.requires_grad_ does.
     emb.weight.requires_grad_(False)
-    head.requires_grad_()
+    head.requires_grad_()  # with no argument it unfreezes, as Module.requires_grad_ does
     assert emb.weight.requires_grad
-
-
-def test_repr_says_what_it_is_tied_to() -> None:
-    head = TiedLinear(nn.Embedding(7, 3))
-    assert repr(head) == "TiedLinear(in_features=3, out_features=7, tied_to=Embedding(7, 3).weight)"
-
-
-# Hooks -------------------------------------------------------------------------------------
-
-
-def test_hooks_on_linear_see_input_weight_and_output_once_per_call() -> None:
-    emb = nn.Embedding(7, 3)
-    head = TiedLinear(emb)
-    seen: list[tuple[str, Any]] = []
-    head.linear.register_forward_pre_hook(lambda _m, args: seen.append(("pre", args)))
-    head.linear.register_forward_hook(lambda _m, args, out: seen.append(("post", out)))
-    x = torch.randn(2, 3)
-
-    out = head(x)
-
-    assert [kind for kind, _ in seen] == ["pre", "post"]
-    pre_x, pre_weight = seen[0][1]
-    assert pre_x is x
-    assert pre_weight is emb.weight
-    assert seen[1][1] is out
-    head(x)
-    assert [kind for kind, _ in seen] == ["pre", "post", "pre", "post"]
-
-
-def test_a_forward_hook_can_replace_the_output() -> None:
-    head = TiedLinear(nn.Embedding(7, 3))
-    head.linear.register_forward_hook(lambda _m, _args, out: torch.zeros_like(out))
-    assert torch.equal(head(torch.randn(2, 3)), torch.zeros(2, 7))
-
-
-# Drop-in for torchtune -----------------------------------------------------------------------
-
-
-def test_is_a_drop_in_for_torchtunes_tied_linear() -> None:
-    reference, _ = load_tied_linear()
-    emb = nn.Embedding(11, 4)
-    ours, theirs = TiedLinear(emb), reference(emb)
-    assert ours.tied_module is theirs.tied_module is emb
-    assert isinstance(ours.linear, nn.Module)
-    assert isinstance(theirs.linear, nn.Module)
-    for x in (torch.randn(4), torch.randn(3, 4), torch.randn(2, 0, 4)):
-        assert torch.equal(ours(x), theirs(x))
-    with pytest.raises(AttributeError):
-        reference(nn.ReLU())
-    with pytest.raises(AttributeError):
-        TiedLinear(nn.ReLU())
-
-
-# Copies and checkpoints --------------------------------------------------------------------
-
-
-def _pickle_with(protocol: int) -> Any:
-    return lambda m: pickle.loads(pickle.dumps(m, protocol=protocol))
-
-
-@pytest.mark.parametrize(
-    "clone",
-    [copy.deepcopy, *(_pickle_with(p) for p in range(pickle.HIGHEST_PROTOCOL + 1))],
-    ids=["deepcopy", *(f"pickle{p}" for p in range(pickle.HIGHEST_PROTOCOL + 1))],
-)
-def test_copies_retie_to_the_copied_module(clone: Any) -> None:
-    model = TiedPair(7, 3)
-    copied = clone(model)
-    assert copied.head.tied_module is copied.emb
-    assert copied.emb is not model.emb
-    with torch.no_grad():
-        copied.emb.weight.zero_()
-    assert torch.equal(copied.head(torch.ones(3)), torch.zeros(7))
-    assert not torch.equal(model.head(torch.ones(3)), torch.zeros(7))
-
-
-def test_safetensors_saves_the_state_dict_where_parameter_sharing_cannot(tmp_path: Any) -> None:
-    model = TiedPair(7, 3)
-    safetensors.torch.save_file(model.state_dict(), tmp_path / "tied.safetensors")
-    loaded = safetensors.torch.load_file(tmp_path / "tied.safetensors")
-    assert list(loaded) == ["emb.weight"]
-    assert torch.equal(loaded["emb.weight"], model.emb.weight)
-
-    shared = nn.Module()
-    shared.emb = nn.Embedding(7, 3)
-    shared.head = nn.Linear(3, 7, bias=False)
-    shared.head.weight = shared.emb.weight
-    with pytest.raises(RuntimeError, match="share memory"):
-        safetensors.torch.save_file(shared.state_dict(), tmp_path / "shared.safetensors")
-
-
-# Compile and autocast ----------------------------------------------------------------------
-
-
-class _TinyLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(17, 8)
-        self.block = nn.Linear(8, 8)
-        self.head = TiedLinear(self.emb)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.block(self.emb(idx))))
-
-
-def test_compiles_in_one_graph_with_no_break() -> None:
-    torch._dynamo.reset()
-    model = _TinyLM()
-    idx = torch.tensor([[1, 2, 3], [4, 5, 16]])
-    explanation = torch._dynamo.explain(model)(idx)
-    assert explanation.graph_count == 1
-    assert explanation.graph_break_count == 0
-
-    compiled = torch.compile(model, fullgraph=True)
-    torch.testing.assert_close(compiled(idx), model(idx))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -344,3 +468,416 @@ def test_autocast_behaves_as_an_equivalent_linear(dtype: torch.dtype) -> None:
         ours, expected = TiedLinear(emb)(x), linear(x)
     assert ours.dtype == expected.dtype == dtype
     assert torch.equal(ours, expected)
+
+
+# Not a Module: what a model sees, hooks, copies, torchtune ------------------------------------
+
+
+def test_is_not_a_module_and_adds_nothing_to_its_parent() -> None:
+    plain = nn.Module()
+    plain.emb = nn.Embedding(7, 3)
+    tied = nn.Module()
+    tied.emb = nn.Embedding(7, 3)
+    tied.head = TiedLinear(tied.emb)
+    assert not isinstance(tied.head, nn.Module)
+    assert isinstance(tied.head.linear, nn.Module)
+    assert [n for n, _ in tied.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert list(tied.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in tied.named_modules()] == [n for n, _ in plain.named_modules()]
+
+
+@contextmanager
+def _global_hooks(seen: list[tuple[str, nn.Module, Any]]) -> Iterator[None]:
+    handles = [
+        module_hooks.register_module_forward_pre_hook(
+            lambda m, args: seen.append(("global pre", m, args))
+        ),
+        module_hooks.register_module_forward_hook(
+            lambda m, _args, out: seen.append(("global post", m, out))
+        ),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_hooks_on_linear_and_global_hooks_see_input_weight_and_output_once_per_call() -> None:
+    emb = nn.Embedding(7, 3)
+    head = TiedLinear(emb)
+    seen: list[tuple[str, nn.Module, Any]] = []
+    head.linear.register_forward_pre_hook(lambda m, args: seen.append(("pre", m, args)))
+    head.linear.register_forward_hook(lambda m, _args, out: seen.append(("post", m, out)))
+    x = torch.randn(2, 3)
+    with _global_hooks(seen):
+        out = head(x)
+        head(x)
+    kinds = ["global pre", "pre", "global post", "post"]
+    assert [(kind, m) for kind, m, _ in seen] == [(kind, head.linear) for kind in kinds] * 2
+    for _, _, (pre_x, pre_weight) in seen[:2]:
+        assert pre_x is x
+        assert pre_weight is emb.weight
+    assert seen[2][2] is out
+    assert seen[3][2] is out
+
+
+def test_a_forward_hook_can_replace_the_output() -> None:
+    head = TiedLinear(nn.Embedding(7, 3))
+    head.linear.register_forward_hook(lambda _m, _args, out: torch.zeros_like(out))
+    assert torch.equal(head(torch.randn(2, 3)), torch.zeros(2, 7))
+
+
+@pytest.mark.parametrize(
+    "clone",
+    [copy.deepcopy, *(lambda m, p=p: pickle.loads(pickle.dumps(m, protocol=p)) for p in (0, 5))],
+    ids=["deepcopy", "pickle0", "pickle5"],
+)
+def test_copies_retie_to_the_copied_module(clone: Callable[[TiedPair], TiedPair]) -> None:
+    model = TiedPair(7, 3)
+    copied = clone(model)
+    assert copied.head.tied_module is copied.emb
+    assert copied.emb is not model.emb
+    with torch.no_grad():
+        copied.emb.weight.zero_()
+    assert torch.equal(copied.head(torch.ones(3)), torch.zeros(7))
+    assert not torch.equal(model.head(torch.ones(3)), torch.zeros(7))
+
+
+def test_safetensors_saves_the_one_weight(tmp_path: Any) -> None:
+    model = TiedPair(7, 3)
+    safetensors.torch.save_file(model.state_dict(), tmp_path / "tied.safetensors")
+    loaded = safetensors.torch.load_file(tmp_path / "tied.safetensors")
+    assert list(loaded) == ["emb.weight"]
+    assert torch.equal(loaded["emb.weight"], model.emb.weight)
+
+
+def test_is_a_drop_in_for_torchtunes_tied_linear(torchtune_tied_linear: type) -> None:
+    emb = nn.Embedding(11, 4)
+    ours, theirs = TiedLinear(emb), torchtune_tied_linear(emb)
+    assert ours.tied_module is theirs.tied_module is emb
+    assert isinstance(theirs.linear, nn.Module)
+    for x in (torch.randn(4), torch.randn(3, 4), torch.randn(2, 0, 4)):
+        assert torch.equal(ours(x), theirs(x))
+
+
+# Compile --------------------------------------------------------------------------------------
+
+COMPILED_OWNERS: dict[str, Callable[[], nn.Module]] = {
+    "parameter": lambda: nn.Embedding(7, 3),
+    "buffer": _BufferWeight,
+    "property": lambda: _PropertyOverParameter(7, 3),
+}
+
+
+@pytest.mark.parametrize("owner", list(COMPILED_OWNERS))
+def test_compiles_in_one_graph_to_what_the_attribute_gives(owner: str) -> None:
+    torch._dynamo.reset()
+    module = COMPILED_OWNERS[owner]()
+    head = TiedLinear(module)
+    x = torch.randn(2, 3)
+    explanation = torch._dynamo.explain(head)(x)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
+    compiled = torch.compile(head, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), F.linear(x, module.weight))  # type: ignore[arg-type]
+
+
+def test_a_tied_lm_compiles_in_one_graph_with_no_break() -> None:
+    torch._dynamo.reset()
+    model = TiedLM()
+    idx = torch.tensor([[1, 2, 3], [4, 5, 16]])
+    explanation = torch._dynamo.explain(model)(idx)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(idx), model(idx))
+
+
+# Errors: the type, the names, the shapes and the fix ------------------------------------------
+
+# One golden message each, by test id: the rest of the tests assert their facts.
+GOLDEN = {
+    "module": (
+        "TiedLinear needs a module with a 'weight' attribute to tie to, but ReLU has none; "
+        "pass the module that owns the shared weight, such as the token embedding"
+    ),
+    "tensor": (
+        "TiedLinear needs a module with a 'weight' attribute to tie to, but Tensor has none; "
+        "pass the module that owns this tensor (such as the nn.Embedding), not the tensor itself"
+    ),
+    "namespace": (
+        "TiedLinear ties to an nn.Module, got SimpleNamespace, which has a 'weight' but is not "
+        "a Module; pass the nn.Module that owns the weight, such as the nn.Embedding"
+    ),
+    "weight-none": (
+        "TiedLinear needs LayerNorm.weight to be a 2-D tensor, got NoneType; tie to a module "
+        "whose weight is a tensor"
+    ),
+    "1-D": (
+        "TiedLinear needs LayerNorm.weight to be 2-D (out_features, in_features), got shape "
+        "(4,); tie to a module with a matrix weight, such as nn.Embedding or nn.Linear"
+    ),
+    "parameter": (
+        "TiedLinear needs Embedding.weight to be 2-D (out_features, in_features) when called, "
+        "got shape (3,); a weight assigned to the tied module after TiedLinear was built must "
+        "be 2-D too"
+    ),
+    "float": (
+        "TiedLinear needs Embedding.weight to be a 2-D tensor when called, got float; a weight "
+        "assigned to the tied module after TiedLinear was built must be a 2-D tensor too"
+    ),
+}
+
+
+class _IntWeight(nn.Module):
+    weight = 3
+
+
+@pytest.mark.parametrize(
+    ("no_weight", "facts"),
+    [
+        (nn.Embedding(7, 3).weight, ["Parameter has none", "not the tensor itself"]),
+        (torch.randn(7, 3), ["Tensor has none", "not the tensor itself"]),
+        (object(), ["object has none", "token embedding"]),
+        (nn.ReLU(), ["ReLU has none", "token embedding"]),
+        (None, ["NoneType has none", "token embedding"]),
+    ],
+    ids=["a-parameter", "tensor", "object", "module", "none"],
+)
+def test_no_weight_is_an_attribute_error_whatever_the_type_as_in_torchtune(
+    no_weight: object, facts: list[str], torchtune_tied_linear: type, request: Any
+) -> None:
+    with pytest.raises(AttributeError):
+        torchtune_tied_linear(no_weight)
+    with pytest.raises(AttributeError) as info:
+        TiedLinear(no_weight)  # type: ignore[arg-type]
+    assert all(fact in str(info.value) for fact in facts), str(info.value)
+    assert str(info.value) == GOLDEN.get(request.node.callspec.id, str(info.value))
+    assert info.value.__suppress_context__  # the failed lookup inside is noise to the caller
+
+
+@pytest.mark.parametrize(
+    ("module", "error", "facts"),
+    [
+        (
+            types.SimpleNamespace(weight=torch.ones(2, 2)),
+            TypeError,
+            ["SimpleNamespace", "nn.Module"],
+        ),
+        (TiedLinear(nn.Embedding(2, 2)), TypeError, ["got TiedLinear", "nn.Embedding"]),
+        (nn.LayerNorm(4, elementwise_affine=False), TypeError, ["LayerNorm.weight", "NoneType"]),
+        (_IntWeight(), TypeError, ["_IntWeight.weight", "got int"]),
+        (nn.LayerNorm(4), ValueError, ["LayerNorm.weight", "2-D", "(4,)", "nn.Embedding"]),
+        (nn.Conv1d(2, 3, 5), ValueError, ["Conv1d.weight", "(3, 2, 5)", "nn.Linear"]),
+    ],
+    ids=["namespace", "tied-linear", "weight-none", "int", "1-D", "3-D"],
+)
+def test_a_weight_that_cannot_work_is_refused_changing_nothing(
+    module: Any, error: type[Exception], facts: list[str], request: Any
+) -> None:
+    before = (
+        {k: v.clone() for k, v in module.state_dict().items()}
+        if isinstance(module, nn.Module)
+        else {}
+    )
+    with pytest.raises(error) as info:
+        TiedLinear(module)
+    assert all(fact in str(info.value) for fact in facts), str(info.value)
+    assert str(info.value) == GOLDEN.get(request.node.callspec.id, str(info.value))
+    if isinstance(module, nn.Module):
+        after = module.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before.items())
+        assert not module._forward_hooks
+        assert not module._forward_pre_hooks
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "facts"),
+    [
+        ("parameter", ValueError, ["Embedding.weight", "2-D", "(3,)"]),
+        ("parameter-0d", ValueError, ["Embedding.weight", "shape ()"]),
+        ("parameter-3d", ValueError, ["Embedding.weight", "(7, 3, 2)"]),
+        ("buffer", ValueError, ["Embedding.weight", "(3,)"]),
+        ("property", ValueError, ["_PropertyOverParameter.weight", "(3,)"]),
+        ("none", TypeError, ["Embedding.weight", "got NoneType"]),
+        ("float", TypeError, ["Embedding.weight", "got float"]),
+    ],
+    ids=["parameter", "parameter-0d", "parameter-3d", "buffer", "property", "none", "float"],
+)
+def test_a_weight_that_is_no_longer_a_2d_tensor_when_called_raises(
+    change: str, error: type[Exception], facts: list[str], request: Any
+) -> None:
+    """F.linear would take a 1-D weight and drop the output's last dimension."""
+    emb = _PropertyOverParameter(7, 3) if change == "property" else nn.Embedding(7, 3)
+    head = TiedLinear(emb)
+    head(torch.randn(2, 3))
+    shapes = {"parameter-0d": (), "parameter-3d": (7, 3, 2)}
+    if change.startswith("parameter"):
+        emb.weight = nn.Parameter(torch.randn(shapes.get(change, (3,))))
+    elif change == "buffer":
+        del emb.weight
+        emb.register_buffer("weight", torch.randn(3))
+    elif change == "property":
+        emb._parameters["weight"] = nn.Parameter(torch.randn(3))
+    elif change == "none":
+        emb.weight = None  # Module.__setattr__ keeps the name registered, with no Parameter
+    else:
+        del emb.weight
+        emb.weight = 2.5
+    with pytest.raises(error) as info:
+        head(torch.randn(2, 3))
+    assert all(fact in str(info.value) for fact in facts), str(info.value)
+    assert "after TiedLinear was built" in str(info.value)
+    assert str(info.value) == GOLDEN.get(request.node.callspec.id, str(info.value))
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4,), (), (3, 0, 5)])
+@pytest.mark.parametrize("owner", ["parameter", "buffer"])
+def test_a_wrong_input_width_names_both_shapes_and_in_features(
+    shape: tuple[int, ...], owner: str
+) -> None:
+    emb = nn.Embedding(7, 3) if owner == "parameter" else _BufferWeight()
+    before = emb.weight.detach().clone()
+    with pytest.raises(RuntimeError) as info:
+        TiedLinear(emb)(torch.randn(shape))
+    name = type(emb).__name__
+    if shape == (2, 4) and owner == "parameter":  # the one golden message
+        assert str(info.value) == (
+            "TiedLinear input has shape (2, 4), but Embedding.weight has shape (7, 3): the "
+            "input's last dimension must equal in_features=3; reshape the input or tie to the "
+            "right module"
+        )
+    for fact in (f"shape {shape}", f"{name}.weight has shape (7, 3)", "in_features=3"):
+        assert fact in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)  # torch's own error stays attached
+    assert "TiedLinear" not in str(info.value.__cause__)
+    assert torch.equal(emb.weight, before)
+
+
+def _hook_makes_tensors(head: TiedLinear) -> None:
+    def to_tensors(module: nn.Module, args: tuple[object, ...]) -> tuple[object, ...]:
+        x, weight = args
+        return torch.as_tensor(x, dtype=torch.float32), weight
+
+    head.linear.register_forward_pre_hook(to_tensors)
+    assert head([1.0, 2.0, 3.0]).shape == (7,)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("x", "prepare", "error"),
+    [
+        (torch.randn(2, 3, dtype=torch.float64), None, RuntimeError),  # a dtype mismatch
+        ([1.0, 2.0, 3.0], None, TypeError),  # not a tensor
+        ([1.0, 2.0], _hook_makes_tensors, RuntimeError),  # a hook made the tensors
+    ],
+    ids=["dtype", "not-a-tensor", "hook-made-tensors"],
+)
+def test_other_failures_keep_torchs_own_error(
+    x: Any, prepare: Callable[[TiedLinear], None] | None, error: type[Exception]
+) -> None:
+    head = TiedLinear(nn.Embedding(7, 3))
+    if prepare is not None:
+        prepare(head)
+    with pytest.raises(error) as info:
+        head(x)
+    assert "TiedLinear" not in str(info.value)
+    assert info.value.__cause__ is None
+
+
+# Sharded weights: which cause and fix the error names -----------------------------------------
+
+FSDP_FIXES = ["fully_shard([tied_module, caller])", "reshard_after_forward=False"]
+TP_FIXES = ["TiedLinearParallel", "parallelize_module(head.linear", "PrepareModuleInput"]
+
+
+def _sharded_embedding(mesh: DeviceMesh) -> nn.Embedding:
+    emb = nn.Embedding(7, 3)
+    emb.weight = nn.Parameter(distribute_tensor(emb.weight.detach(), mesh, [Shard(0)]))
+    return emb
+
+
+def test_a_weight_fsdp2_resharded_with_a_plain_input_names_the_placement_and_fixes(
+    one_rank: DeviceMesh,
+) -> None:
+    emb = nn.Embedding(7, 3)
+    fully_shard(emb, mesh=one_rank)  # the weight stays sharded until a forward unshards it
+    with pytest.raises(RuntimeError) as info:
+        TiedLinear(emb)(torch.randn(2, 3))
+    for fact in ("FSDPEmbedding(7, 3)", "(Shard(dim=0),)", *FSDP_FIXES):
+        assert fact in str(info.value)
+    assert str(info.value) == (  # the one golden message
+        "TiedLinear cannot use the weight of the tied module FSDPEmbedding(7, 3): that weight "
+        "is sharded (a DTensor with placements (Shard(dim=0),)) when TiedLinear reads it, and "
+        "the input is a plain tensor. This happens when the FSDP2 unit (fully_shard) holding "
+        "the tied module reshards its parameters after a forward that ends before TiedLinear "
+        "runs: the tied module is its own unit, or is grouped only with modules that do not "
+        "call TiedLinear. Keep the tied module in the unit whose forward calls TiedLinear, "
+        "group it with the module that calls TiedLinear in one unit "
+        "(fully_shard([tied_module, caller])), or keep its weight unsharded after forward "
+        "with fully_shard(tied_module, reshard_after_forward=False)."
+    )
+    assert "mixed torch.Tensor and DTensor" in str(info.value.__cause__)
+
+
+def test_a_weight_sharded_by_tensor_parallelism_with_a_plain_input_names_the_fixes(
+    one_rank: DeviceMesh,
+) -> None:
+    with pytest.raises(RuntimeError) as info:
+        TiedLinear(_sharded_embedding(one_rank))(torch.randn(2, 3))
+    assert str(info.value) == (  # the one golden message
+        "TiedLinear got a plain-tensor input, but the weight of the tied module "
+        "Embedding(7, 3) is sharded by tensor parallelism (a DTensor with placements "
+        "(Shard(dim=0),)): the head's input must be a DTensor on the same device mesh. "
+        "Prepare the head's input by applying toolkit.nn.TiedLinearParallel to the head's "
+        "linear module, parallelize_module(head.linear, tp_mesh, TiedLinearParallel()), with "
+        "input_layouts=Shard(1) under sequence parallelism; or apply torch's "
+        "PrepareModuleInput(input_layouts=(Replicate(), None), "
+        "desired_input_layouts=(Replicate(), None)) to head.linear."
+    )
+
+
+def test_a_wrong_width_with_dtensor_input_and_weight_is_a_shape_error(
+    one_rank: DeviceMesh,
+) -> None:
+    x = distribute_tensor(torch.randn(2, 4), one_rank, [Replicate()])
+    with pytest.raises(RuntimeError, match=r"^TiedLinear input has shape \(2, 4\)"):
+        TiedLinear(_sharded_embedding(one_rank))(x)
+
+
+@pytest.mark.parametrize(
+    ("setup", "facts"),
+    [
+        ("fsdp", ["Embedding(17, 8)", "(Shard(dim=0),)", *FSDP_FIXES]),
+        ("tp_fsdp", ["Embedding(17, 8)", "(Shard(dim=0),)", *TP_FIXES]),
+        ("tp_fsdp_trunk_unit", ["(_StridedShard(dim=0, sf=2), Shard(dim=0))", *FSDP_FIXES]),
+    ],
+    ids=["fsdp_enclosing_unit", "tp_under_fsdp_unsharded", "tp_under_fsdp_resharded"],
+)
+def test_on_two_ranks_the_error_names_what_left_the_weight_a_dtensor(
+    setup: str, facts: list[str]
+) -> None:
+    """An enclosing FSDP2 unit that reshards the embedding, tensor parallelism (vocabulary 17,
+    split 9 and 8) with the embedding unsharded by the unit that calls the head, and with the
+    embedding in a trunk unit that reshards it on the 2-D mesh."""
+    model = TiedLM()
+    idx = torch.randint(0, 17, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def rank_main(rank: int) -> str:
+        rank_model = copy.deepcopy(model)
+        if setup == "fsdp":
+            mesh = init_device_mesh("cpu", (2,))
+            fully_shard(rank_model.trunk, mesh=mesh)
+            fully_shard(rank_model, mesh=mesh)
+        else:
+            mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+            embedding = rank_model.trunk[0]
+            parallelize_module(embedding, mesh["tp"], RowwiseParallel(input_layouts=Replicate()))
+            if setup == "tp_fsdp_trunk_unit":
+                fully_shard(rank_model.trunk, mesh=mesh["dp"])
+            fully_shard(rank_model, mesh=mesh["dp"])
+        with pytest.raises(RuntimeError) as info:
+            rank_model(idx)
+        assert isinstance(info.value.__cause__, RuntimeError)
+        return str(info.value)
+
+    for message in run_ranks(2, rank_main):
+        assert all(fact in message for fact in facts), message

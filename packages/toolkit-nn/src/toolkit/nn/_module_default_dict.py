@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import reprlib
 from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping, ValuesView
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, TypeVar, overload
@@ -112,7 +113,6 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
     if TYPE_CHECKING:
         _modules: dict[str, ModuleT]  # type: ignore[assignment]
 
-        def __setitem__(self, key: str, module: ModuleT) -> None: ...  # type: ignore[override]
         def __iter__(self) -> Iterator[str]: ...
         def values(self) -> ValuesView[ModuleT]: ...
         def items(self) -> ItemsView[str, ModuleT]: ...
@@ -181,6 +181,13 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         # Outside the except block, so that errors from the factory or the key checks are
         # not chained to the lookup's KeyError.
         return self.__missing__(key)
+
+    def __setitem__(self, key: str, module: ModuleT) -> None:  # type: ignore[override]
+        # A new key is checked as a miss checks it, so that setting a key that cannot be an
+        # entry says why and what to write instead, as reading it does.
+        if key not in self._modules:
+            self._check_new_key(key)
+        super().__setitem__(key, module)
 
     def __missing__(self, key: str) -> ModuleT:
         """Create, register and return the entry for a missing ``key``.
@@ -407,12 +414,41 @@ def _check_factory(factory: object) -> None:
             f"{type(factory).__name__}; to start from a mapping's entries, pass it second: "
             "ModuleDefaultDict(None, mapping) or ModuleDefaultDict(factory, mapping)"
         )
+    if isinstance(factory, nn.Module):
+        # A module is callable, but calling it runs its forward instead of building an entry.
+        name = type(factory).__name__
+        raise TypeError(
+            f"ModuleDefaultDict.default_factory must build a new Module on each call, got a "
+            f"{name} instance, whose call is its forward; pass a callable that builds one, "
+            f"such as lambda: {name}(...) or functools.partial({name}, ...)"
+        )
     if factory is not None and not callable(factory):
         raise TypeError(
             f"ModuleDefaultDict.default_factory must be callable or None, got "
             f"{type(factory).__name__} {factory!r}; pass a Module class or a "
             "functools.partial that builds one"
         )
+    needed = _required_arguments(factory)
+    if needed:
+        names = ", ".join(needed)
+        name = getattr(factory, "__name__", "")
+        partial = (
+            f"functools.partial({name}, {names})" if name.isidentifier() else "functools.partial"
+        )
+        raise TypeError(
+            f"ModuleDefaultDict.default_factory is called with no arguments, but {factory!r} "
+            f"needs {names}; bind them with {partial}, or pass a lambda that builds the module"
+        )
+
+
+def _required_arguments(factory: object) -> list[str]:
+    """The parameters that ``factory()`` leaves without a value, where its signature says."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # None, or a callable without a signature
+        return []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [p.name for p in parameters if p.default is p.empty and p.kind not in variadic]
 
 
 def _child_names(keys: Iterable[str], prefix: str) -> dict[str, None]:

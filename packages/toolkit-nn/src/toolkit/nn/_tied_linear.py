@@ -86,10 +86,9 @@ class TiedLinear:
 
     tied_module: nn.Module
     linear: nn.Module
-    # The types of ``tied_module`` last found to resolve ``weight`` as ``Module.__getattr__``
-    # does, and not to (see ``_resolves_weight_plainly``), so that each is examined once.
+    # The type of ``tied_module`` when built, if it resolves ``weight`` as
+    # ``Module.__getattr__`` does (see ``_resolves_weight_plainly``); None otherwise.
     _plain_type: type | None = None
-    _attribute_type: type | None = None
 
     def __init__(self, tied_module: nn.Module) -> None:
         try:
@@ -105,7 +104,8 @@ class TiedLinear:
         _check_weight(tied_module, weight)
         self.tied_module = tied_module
         self.linear = _Linear()
-        _examine_type(self, type(tied_module))
+        if _resolves_weight_plainly(type(tied_module)):
+            self._plain_type = type(tied_module)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the tied linear transform.
@@ -127,20 +127,21 @@ class TiedLinear:
                 accept a 1-D weight and drop the output's last dimension).
             TypeError: If ``tied_module.weight`` is no longer a tensor.
         """
-        # ``tied_module.weight`` falls back to the Python-level ``Module.__getattr__``, a
-        # tenth of a small call, which returns ``_parameters["weight"]`` when it is set.
-        # Reading that entry directly gives the same tensor only where nothing comes
-        # before the fallback: the module's type is checked for that once (its
-        # ``_plain_type``), and its instance ``__dict__`` on every call. Everything else
-        # (a buffer, a plain attribute, a property, a parametrization) is read through the
-        # attribute and checked in full.
+        # ``tied_module.weight`` falls back to the Python-level ``Module.__getattr__``, 15%
+        # of a one-token call, which returns ``_parameters["weight"]`` when it is set.
+        # Reading that entry directly gives the same tensor only where nothing comes before
+        # the fallback: the type TiedLinear was built with was checked for that, and the
+        # instance ``__dict__`` is checked on every call. Everything else (a buffer, a plain
+        # attribute, a property, a parametrization, a module whose class changed since) is
+        # read through the attribute.
         module = self.tied_module
-        weight: torch.Tensor | None = None
+        weight: object = None
         if type(module) is self._plain_type and "weight" not in module.__dict__:
             weight = module._parameters.get("weight")
         if weight is None:
-            weight = _read_weight(self, module)
-        elif weight.dim() != 2:
+            weight = module.weight
+        # An uninitialized lazy weight raises torch's own error for it from ``dim()``.
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise _call_weight_error(module, weight)
         try:
             return self.linear(x, weight)  # type: ignore[no-any-return]
@@ -380,7 +381,7 @@ _OBJECT_GETATTRIBUTE: object = object.__getattribute__
 _MODULE_GETATTR: object = nn.Module.__getattr__
 
 
-def _resolves_weight_plainly(cls: type) -> bool:
+def _resolves_weight_plainly(cls: type[nn.Module]) -> bool:
     """Whether ``module.weight`` is ``Module.__getattr__``'s answer for instances of ``cls``.
 
     ``module.weight`` looks in the type's MRO first (a property, any other descriptor or a
@@ -391,35 +392,16 @@ def _resolves_weight_plainly(cls: type) -> bool:
     generated one with a ``weight`` property, so it is seen here too. The instance
     ``__dict__`` can change at any time, so the caller checks it on every call.
 
-    The caller keeps the answer for the module's current type and asks again whenever the
-    type differs. A class that is itself changed afterwards (a ``weight`` property set on
-    the class, say) is not examined again.
+    TiedLinear asks once, for the type it is built with; a module whose class changes later
+    (``fully_shard``, a parametrization) is read through the attribute from then on. A class
+    that is itself changed afterwards (a ``weight`` property set on the class, say) is not
+    examined again.
     """
     return (
         cls.__getattribute__ is _OBJECT_GETATTRIBUTE
-        and getattr(cls, "__getattr__", None) is _MODULE_GETATTR
+        and cls.__getattr__ is _MODULE_GETATTR  # every Module class has one
         and not any("weight" in vars(base) for base in cls.__mro__)
     )
-
-
-def _examine_type(tl: TiedLinear, cls: type) -> None:
-    """Record whether ``cls`` resolves ``weight`` plainly."""
-    if _resolves_weight_plainly(cls):
-        tl._plain_type = cls
-    else:
-        tl._attribute_type = cls
-
-
-def _read_weight(tl: TiedLinear, module: nn.Module) -> torch.Tensor:
-    """Read ``module.weight`` through the attribute and check it, off the fast path."""
-    cls = type(module)
-    if cls is not tl._attribute_type and cls is not tl._plain_type:
-        _examine_type(tl, cls)
-    weight = module.weight
-    # An uninitialized lazy weight raises torch's own error for it from ``dim()``.
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise _call_weight_error(module, weight)
-    return weight
 
 
 def _call_weight_error(module: nn.Module, weight: object) -> Exception:
