@@ -56,7 +56,7 @@ def inputs(tokens: int, hidden: int, vocab: int) -> tuple[nn.Embedding, torch.Te
     The embedding's weight has unit variance (``nn.Embedding``'s initialization) and the
     hidden states ``LOGIT_STD / sqrt(hidden)``, so that the logits have a standard deviation
     of ``LOGIT_STD``, as a language model's do. Unit-variance hidden states would give logits
-    of ``sqrt(hidden)`` (23 at 512 features), whose softmax is mostly subnormal exponentials,
+    of ``sqrt(hidden)`` (23 at 512 features), a quarter of whose exponentials are subnormal,
     slow on the CPU.
     """
     generator = torch.Generator().manual_seed(0)
