@@ -116,7 +116,7 @@ def _statistics(z: torch.Tensor, index: torch.Tensor, o: _Options, inplace: bool
         top = z.argmax(1, keepdim=True)
         top_logit = z.gather(1, top)
         target_logit = z.gather(1, index).squeeze(1)
-        total = z.sum(1) if o.label_smoothing else None
+        total = z.sum(1)  # read with label smoothing only; one pass over the chunk
         if inplace:
             # torch's fused row-wise kernel takes each row while it is in cache.
             torch.softmax(z, 1, out=z)
@@ -126,7 +126,7 @@ def _statistics(z: torch.Tensor, index: torch.Tensor, o: _Options, inplace: bool
         # its logarithm neither underflows nor loses precision.
         lse = (top_logit - z.gather(1, top).log()).squeeze(1)
         here = index >= 0  # every target's column is here
-        return _Statistics(lse, target_logit, lse if total is None else total, z, index, here)
+        return _Statistics(lse, target_logit, total, z, index, here)
     # This rank has columns [offset, offset + rows) of the logits: only per-row statistics
     # cross the group, a max, then the sum of exponentials, the target logit and the sum.
     # Only in place: a sharded weight refuses a backward that differentiates this again.
