@@ -267,7 +267,7 @@ def _row_losses(
     if cap is not None and want_grad:
         # d/dz cap * tanh(z / cap) = 1 - (z_capped / cap)^2, taken before the softmax
         # replaces z: one more chunk-sized tensor, with a soft-cap only.
-        slope = (z / cap).square_().neg_().add_(1.0) if inplace else 1.0 - (z / cap).square()
+        slope = (z / cap).square_().neg_().add_(1.0)
     stats = _statistics(z, index, o, inplace)
     lse, p = stats.lse, stats.probs
     # lse - (1 - eps) * z_target - eps * mean(z): F.cross_entropy's label smoothing.
