@@ -102,10 +102,7 @@ def _step(variant: str, head: TiedLinear, h: torch.Tensor, t: torch.Tensor) -> N
 def _inputs(
     tokens: int, hidden: int, vocab: int
 ) -> tuple[nn.Embedding, TiedLinear, torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    embedding = nn.Embedding(vocab, hidden)
-    h = torch.randn(tokens, hidden, generator=generator).requires_grad_()
-    t = torch.randint(0, vocab, (tokens,), generator=generator)
+    embedding, h, t = cross_entropy_parallel.inputs(tokens, hidden, vocab)
     return embedding, TiedLinear(embedding), h, t
 
 

@@ -44,18 +44,33 @@ from toolkit.nn import TiedLinear, TiedLinearParallel
 
 VARIANTS = ("tp_loss_parallel", "tp_toolkit")
 WORLD_SIZE = 2
+# The standard deviation of the logits of ``inputs``.
+LOGIT_STD = 2.0
 WARMUP_SHAPE = (256, 64, 1000)
 RESULT = "RESULT "
+
+
+def inputs(tokens: int, hidden: int, vocab: int) -> tuple[nn.Embedding, torch.Tensor, torch.Tensor]:
+    """An embedding, hidden states and targets, the same in every process.
+
+    The embedding's weight has unit variance (``nn.Embedding``'s initialization) and the
+    hidden states ``LOGIT_STD / sqrt(hidden)``, so that the logits have a standard deviation
+    of ``LOGIT_STD``, as a language model's do. Unit-variance hidden states would give logits
+    of ``sqrt(hidden)`` (23 at 512 features), a quarter of whose exponentials are subnormal,
+    slow on the CPU.
+    """
+    generator = torch.Generator().manual_seed(0)
+    embedding = nn.Embedding(vocab, hidden)
+    h = torch.randn(tokens, hidden, generator=generator) * (LOGIT_STD / hidden**0.5)
+    t = torch.randint(0, vocab, (tokens,), generator=generator)
+    return embedding, h.requires_grad_(), t
 
 
 def _inputs(
     variant: str, mesh: DeviceMesh, tokens: int, hidden: int, vocab: int
 ) -> tuple[nn.Embedding, TiedLinear, torch.Tensor, torch.Tensor]:
     """The same embedding, hidden states and targets on every rank; the weight then sharded."""
-    generator = torch.Generator().manual_seed(0)
-    embedding = nn.Embedding(vocab, hidden)
-    h = torch.randn(tokens, hidden, generator=generator).requires_grad_()
-    t = torch.randint(0, vocab, (tokens,), generator=generator)
+    embedding, h, t = inputs(tokens, hidden, vocab)
     parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate()))
     head = TiedLinear(embedding)
     if variant == "tp_loss_parallel":

@@ -3,20 +3,23 @@
 ``linear_cross_entropy`` is called directly: its own defaults, its buffers' device under a
 different default device, float64 at float64's precision, ``reduction="sum"`` gradients, no
 tokens at all, a float16 loss scale beyond float16's range, the dtypes its backward returns,
-the default chunk rule at its bounds, a single class with ignored tokens, a 3-D input and its
-shape error. Every expected value is written here with ``F.linear`` and ``F.cross_entropy`` or
-by hand, never with the code under test.
+the default chunk rule at its bounds, the tensors of a chunk's size it holds, a single class
+with ignored tokens, a 3-D input and its shape error. Every expected value is written here
+with ``F.linear`` and ``F.cross_entropy`` or by hand, never with the code under test.
 """
 
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit.nn._cross_entropy import default_chunk_size, linear_cross_entropy
 
@@ -253,3 +256,59 @@ def test_a_single_class_with_ignored_tokens_gives_what_f_cross_entropy_gives() -
     plain = _grads(lambda x, w: F.cross_entropy(F.linear(x, w), target), x, weight)
     for actual, expected in zip(ours, plain, strict=True):
         torch.testing.assert_close(actual, expected)
+
+
+class _ChunkSizedTensors(TorchDispatchMode):
+    """The most tensors of at least ``numel`` elements alive at once, among those that ops
+    allocate (an output sharing an input's storage, a view or an ``out=``, is not one)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.peak = numel, 0
+        self.alive: list[weakref.ref[torch.Tensor]] = []
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = pytree.tree_leaves((args, kwargs))
+        storages = {t.untyped_storage().data_ptr() for t in given if isinstance(t, torch.Tensor)}
+        for tensor in pytree.tree_leaves(out):
+            if (
+                isinstance(tensor, torch.Tensor)
+                and tensor.numel() >= self.numel
+                and tensor.untyped_storage().data_ptr() not in storages
+            ):
+                self.alive = [ref for ref in self.alive if ref() is not None]
+                self.alive.append(weakref.ref(tensor))
+                self.peak = max(self.peak, len(self.alive))
+        return out
+
+
+@pytest.mark.parametrize(
+    ("options", "peak"),
+    [
+        ({}, 1),  # the logits' buffer, which the softmax and the gradient replace
+        ({"reduction": "none"}, 1),  # the same in backward, which recomputes the chunks
+        ({"label_smoothing": 0.1, "z_loss": 0.01}, 1),
+        ({"softcap": 5.0}, 2),  # and the soft-cap's slope
+    ],
+)
+def test_a_chunk_holds_one_logits_sized_tensor_and_a_soft_cap_one_more(
+    options: dict[str, Any], peak: int
+) -> None:
+    """12 tokens in chunks of 4, a vocabulary of 50 and 2 features: only the chunk's logits
+    (and their like) have 4 * 50 elements or more, the weight's gradient has 100."""
+    x, weight, target = _inputs(12, 50, 2)
+    x.requires_grad_()
+    weight.requires_grad_()
+    for grad in (False, True):
+        with _ChunkSizedTensors(4 * 50) as mode, torch.set_grad_enabled(grad):
+            loss = linear_cross_entropy(x, weight, target, chunk_size=4, **options)
+            if grad:
+                loss.sum().backward()
+        assert mode.peak == (peak if grad else 1)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad
 
 from toolkit.nn import TiedLinear
 
@@ -123,6 +124,22 @@ def test_create_graph_gives_the_second_order_gradients_of_the_plain_path(
         torch.testing.assert_close(actual, expected)
 
 
+def test_create_graph_in_bfloat16_widens_the_recomputed_logits_as_forward_does() -> None:
+    """The recomputed chunks' logits are widened to float32, as the plain path's are."""
+    x, weight, target = _inputs(7, 5, 3, torch.bfloat16)
+
+    def first_order(loss_of: Loss) -> list[torch.Tensor]:
+        leaves = _leaves(x, weight)
+        grads = torch.autograd.grad(loss_of(*leaves), leaves, create_graph=True)
+        assert all(g.grad_fn is not None and g.dtype == torch.bfloat16 for g in grads)
+        return list(grads)
+
+    ours = first_order(_ours(target, chunk_size=3, label_smoothing=0.1))
+    plain = first_order(_plain(target, label_smoothing=0.1))
+    for actual, expected in zip(ours, plain, strict=True):
+        torch.testing.assert_close(actual, expected)
+
+
 def test_torch_func_grad_and_jacrev_of_jacrev_match_the_plain_path() -> None:
     x, weight, target = _inputs(6, 5, 3)
     ours, plain = _ours(target, chunk_size=4), _plain(target)
@@ -152,6 +169,53 @@ def test_torch_func_vmap_takes_one_loss_per_entry() -> None:
         torch.testing.assert_close(
             transform(ours)(x, target), transform(plain)(x, target), equal_nan=True
         )
+
+
+# Forward-mode AD loads torch's decompositions for it, some of them through the deprecated
+# torch.jit.script, which warns on first use; the warning is torch's, not the package's.
+JIT_SCRIPT_WARNING = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
+)
+
+
+def _assert_names_forward_mode_ad_and_the_fix(message: str) -> None:
+    assert message.startswith("TiedLinear.cross_entropy does not support forward-mode AD")
+    assert message.endswith("compute the logits with head(x) and take F.cross_entropy of them")
+
+
+@JIT_SCRIPT_WARNING
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda f, x: torch.func.jvp(f, (x,), (torch.ones_like(x),)),
+        lambda f, x: torch.func.jacfwd(f)(x),
+        lambda f, x: torch.func.hessian(f)(x),
+    ],
+    ids=["jvp", "jacfwd", "hessian"],
+)
+def test_forward_mode_ad_is_refused_with_the_fix(
+    transform: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], object],
+) -> None:
+    x, weight, target = _inputs(6, 5, 3)
+    ours = _ours(target, chunk_size=4)
+    for f, primal in ((lambda x: ours(x, weight), x), (lambda w: ours(x, w), weight)):
+        with pytest.raises(RuntimeError) as info:
+            transform(f, primal)
+        _assert_names_forward_mode_ad_and_the_fix(str(info.value))
+
+
+@JIT_SCRIPT_WARNING
+def test_forward_mode_ad_of_dual_tensors_is_refused_and_plain_tensors_work_in_a_dual_level() -> (
+    None
+):
+    x, weight, target = _inputs(6, 5, 3)
+    ours = _ours(target, chunk_size=4)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, torch.ones_like(x))
+        with pytest.raises(RuntimeError) as info:
+            ours(dual, weight)
+        _assert_names_forward_mode_ad_and_the_fix(str(info.value))
+        torch.testing.assert_close(ours(x, weight), _plain(target)(x, weight))
 
 
 # Autocast
@@ -245,7 +309,7 @@ def _loss_and_grads(
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_compiles_in_one_graph_with_the_loss_and_gradients_of_eager(reduction: str) -> None:
     options: dict[str, Any] = {"reduction": reduction, "z_loss": 1e-2, "chunk_size": 3}
-    compiled, head, x, target = _compiled_case("aot_eager", **options)
+    compiled, head, x, target = _compiled_case("eager", **options)
     expected = _loss_and_grads(lambda x: head.cross_entropy(x, target, **options).sum(), head, x)
     for actual, wanted in zip(_loss_and_grads(compiled, head, x), expected, strict=True):
         torch.testing.assert_close(actual, wanted)
@@ -262,7 +326,7 @@ def test_compile_with_inductor_matches_the_plain_path() -> None:
 @DYNAMO_CONTEXT_WARNING
 @pytest.mark.parametrize("value", [5, -2])
 def test_compiled_a_target_outside_the_vocabulary_still_raises(value: int) -> None:
-    compiled, _, x, target = _compiled_case("aot_eager")
+    compiled, _, x, target = _compiled_case("eager")
     target[4] = value  # read by the compiled function when it runs
     with pytest.raises(RuntimeError, match=r"out of bounds for a vocabulary of 5") as info:
         compiled(x.requires_grad_())

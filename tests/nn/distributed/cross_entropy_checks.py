@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 from tests.nn.distributed.tiny_lm import (
     DIM,
@@ -118,18 +119,25 @@ def tensor_parallel_case() -> tuple[nn.Embedding, torch.Tensor, torch.Tensor]:
     return embedding, x, targets
 
 
-def tensor_parallel() -> dict[str, torch.Tensor]:
-    """The loss and gradients with the embedding's weight sharded on the vocabulary."""
+def tensor_parallel() -> dict[str, Any]:
+    """The loss and gradients with the embedding's weight sharded on the vocabulary, and the
+    collectives that forward and backward issued, by name, as ``CommDebugMode`` counts them."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     embedding, x, targets = tensor_parallel_case()
     embedding.weight = nn.Parameter(distribute_tensor(embedding.weight.detach(), mesh, [Shard(0)]))
     head = TiedLinear(embedding)
     x.requires_grad_()
-    loss = head.cross_entropy(x, targets, label_smoothing=0.1, chunk_size=4)
-    loss.backward()
+    with CommDebugMode() as comm:
+        loss = head.cross_entropy(x, targets, label_smoothing=0.1, chunk_size=4)
+        loss.backward()
     grad = embedding.weight.grad
     assert isinstance(grad, DTensor)
-    return {"loss": loss.detach(), "x_grad": x.grad, "weight_grad": grad.full_tensor()}
+    return {
+        "loss": loss.detach(),
+        "x_grad": x.grad,
+        "weight_grad": grad.full_tensor(),
+        "collectives": {str(op): count for op, count in comm.get_comm_counts().items()},
+    }
 
 
 def checks(world_size: int, checkpoint_dir: Path) -> dict[str, Callable[[], Any]]:

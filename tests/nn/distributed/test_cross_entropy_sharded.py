@@ -57,7 +57,9 @@ def test_a_weight_resharded_by_fsdp2_is_refused_with_the_fixes(worlds: Worlds) -
 def test_a_weight_sharded_on_the_vocabulary_by_tensor_parallelism_gives_the_whole_loss(
     worlds: Worlds,
 ) -> None:
-    """Vocabulary 17 over 2 gloo processes: 9 rows and 8."""
+    """Vocabulary 17 over 2 gloo processes: 9 rows and 8. Forward and backward issue only
+    all-reduces of per-token statistics and of x's gradient: no all-gather of the weight or
+    of the logits."""
     embedding, x, targets = tensor_parallel_case()
     x.requires_grad_()
     expected = F.cross_entropy(F.linear(x, embedding.weight), targets, label_smoothing=0.1)
@@ -66,3 +68,7 @@ def test_a_weight_sharded_on_the_vocabulary_by_tensor_parallelism_gives_the_whol
         torch.testing.assert_close(result["loss"], expected.detach())
         torch.testing.assert_close(result["x_grad"], x.grad)
         torch.testing.assert_close(result["weight_grad"], embedding.weight.grad)
+        collectives = result["collectives"]
+        assert [op for op in collectives if "gather" in op] == []
+        assert collectives, "the ranks must reduce their statistics"
+        assert all("allreduce" in op or "all_reduce" in op for op in collectives), collectives

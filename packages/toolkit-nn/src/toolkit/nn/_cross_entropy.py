@@ -3,9 +3,9 @@
 For ``N`` tokens and a vocabulary of ``V``, ``F.cross_entropy(F.linear(x, w), target)`` holds
 the ``(N, V)`` logits and, for backward, their softmax: at language-model scale that is the
 largest allocation of a training step. Here the tokens are taken a chunk at a time: the
-chunk's logits are computed into one reused ``(chunk, V)`` buffer and their softmax into
-another, which is turned in place into the gradient of the logits and multiplied straight
-into the gradients of ``x`` and ``w``.
+chunk's logits are computed into one reused ``(chunk, V)`` buffer, where torch's fused
+softmax replaces them, in place, and is turned in place into the gradient of the logits and
+multiplied straight into the gradients of ``x`` and ``w``.
 
 For ``reduction="mean"`` and ``"sum"`` the gradients are computed in forward, for a unit
 weight per counted token, with the same matrix products as the plain path; backward only
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = ["VocabShard", "linear_cross_entropy"]
 
-# ``chunk_size=None`` bounds the chunk's logits buffer, and its softmax's, to this many bytes
-# (and takes at least ``_MIN_CHUNK`` tokens, so that the matrix products stay efficient).
+# ``chunk_size=None`` bounds the chunk's logits buffer to this many bytes (and takes at least
+# ``_MIN_CHUNK`` tokens, so that the matrix products stay efficient).
 # At a vocabulary of 32,000 in float32 that is 524 tokens a chunk; see the benchmark for the
 # measured cost.
 _CHUNK_BYTES = 64 * 2**20
@@ -107,32 +107,39 @@ class _Statistics(NamedTuple):
     here: torch.Tensor
 
 
-def _statistics(
-    z: torch.Tensor, probs: torch.Tensor | None, index: torch.Tensor, o: _Options
-) -> _Statistics:
-    """The per-row statistics of the (soft-capped) logits ``z``, over the whole vocabulary."""
+def _statistics(z: torch.Tensor, index: torch.Tensor, o: _Options, inplace: bool) -> _Statistics:
+    """The per-row statistics of the (soft-capped) logits ``z``, over the whole vocabulary.
+
+    In place, the softmax replaces ``z``: what else is needed of ``z`` is taken first.
+    """
     if o.shard is None:
         top = z.argmax(1, keepdim=True)
-        # Into the softmax's buffer, if there is one.
-        p = torch.softmax(z, 1, out=probs)
+        top_logit = z.gather(1, top)
+        target_logit = z.gather(1, index).squeeze(1)
+        total = z.sum(1)  # read with label smoothing only; one pass over the chunk
+        if inplace:
+            # torch's fused row-wise kernel takes each row while it is in cache.
+            torch.softmax(z, 1, out=z)
+        else:
+            z = torch.softmax(z, 1)
         # logsumexp(z) = z[top] - log p[top]: the largest probability is at least 1 / V, so
         # its logarithm neither underflows nor loses precision.
-        lse = (z.gather(1, top) - p.gather(1, top).log()).squeeze(1)
-        total = z.sum(1) if o.label_smoothing else lse
+        lse = (top_logit - z.gather(1, top).log()).squeeze(1)
         here = index >= 0  # every target's column is here
-        return _Statistics(lse, z.gather(1, index).squeeze(1), total, p, index, here)
+        return _Statistics(lse, target_logit, total, z, index, here)
     # This rank has columns [offset, offset + rows) of the logits: only per-row statistics
     # cross the group, a max, then the sum of exponentials, the target logit and the sum.
+    # Only in place: a sharded weight refuses a backward that differentiates this again.
     rows = z.shape[1]
     peak = z.amax(1) if rows else z.new_full((z.shape[0],), -math.inf)
     peak = _all_reduce(peak, o.shard, torch.distributed.ReduceOp.MAX).unsqueeze(1)
-    # Only in place: a sharded weight refuses a backward that differentiates this again.
-    p = torch.sub(z, peak, out=probs).exp_()
     local = index - o.shard.offset
     here = (local >= 0) & (local < rows)
     column = torch.where(here, local, 0)
     target_logit = z.gather(1, column) if rows else z.new_zeros(index.shape)
-    sums = torch.stack([p.sum(1), torch.where(here, target_logit, 0.0).squeeze(1), z.sum(1)])
+    total = z.sum(1)
+    p = z.sub_(peak).exp_()
+    sums = torch.stack([p.sum(1), torch.where(here, target_logit, 0.0).squeeze(1), total])
     sums = _all_reduce(sums, o.shard, torch.distributed.ReduceOp.SUM)
     p = p.div_(sums[0].unsqueeze(1))
     lse = peak.squeeze(1) + sums[0].log()
@@ -238,26 +245,30 @@ def _check_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
 
 def _row_losses(
     z: torch.Tensor,
-    probs: torch.Tensor | None,
     index: torch.Tensor,
     keep: torch.Tensor,
     o: _Options,
+    *,
     want_grad: bool,
+    inplace: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's loss, and the gradient of the rows' sum with respect to the logits ``z``.
 
     ``z`` is ``(rows, V)`` in the accumulation dtype, ``index`` ``(rows, 1)`` the target
     (0 where ignored) and ``keep`` ``(rows,)`` the counted rows; ignored rows give 0 and a
-    zero gradient. With ``probs`` (a ``(rows, V)`` buffer) the work is done in place, in
-    ``z`` and ``probs``, and the gradient is ``probs``; without, out of place, so that
-    autograd can differentiate it again.
+    zero gradient. In place, ``z`` becomes the gradient; otherwise every operation is out of
+    place, so that autograd can differentiate it again.
     """
     vocab = z.shape[1] if o.shard is None else o.shard.vocab
     eps, cap = o.label_smoothing, o.softcap
-    inplace = probs is not None
+    slope = None
     if cap is not None:  # Gemma 2's soft-cap: cap * tanh(z / cap), before the softmax
         z = z.div_(cap).tanh_().mul_(cap) if inplace else torch.tanh(z / cap) * cap
-    stats = _statistics(z, probs, index, o)
+    if cap is not None and want_grad:
+        # d/dz cap * tanh(z / cap) = 1 - (z_capped / cap)^2, taken before the softmax
+        # replaces z: one more chunk-sized tensor, with a soft-cap only.
+        slope = (z / cap).square_().neg_().add_(1.0)
+    stats = _statistics(z, index, o, inplace)
     lse, p = stats.lse, stats.probs
     # lse - (1 - eps) * z_target - eps * mean(z): F.cross_entropy's label smoothing.
     row = lse - (1.0 - eps) * stats.target_logit
@@ -281,8 +292,7 @@ def _row_losses(
         grad = (
             grad.scatter_add_(1, column, onehot) if inplace else grad.scatter_add(1, column, onehot)
         )
-    if cap is not None:  # through the soft-cap: d/dz cap * tanh(z / cap) = 1 - (z_capped / cap)^2
-        slope = z.div_(cap).square_().neg_().add_(1.0) if inplace else 1.0 - (z / cap).square()
+    if slope is not None:  # through the soft-cap
         grad = grad.mul_(slope) if inplace else grad * slope
     return row, grad
 
@@ -330,23 +340,20 @@ class _Gradients:
 
 
 def _chunk_logits(
-    x_c: torch.Tensor,
-    w_mm: torch.Tensor,
-    acc: torch.dtype,
-    buffers: tuple[torch.Tensor, torch.Tensor] | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x_c: torch.Tensor, w_mm: torch.Tensor, acc: torch.dtype, buffer: torch.Tensor | None
+) -> torch.Tensor:
     """A chunk's logits in the accumulation dtype, rounded like ``head(x)``'s.
 
-    Also the buffer for their softmax, or None out of place.
+    Into the first rows of ``buffer``, or out of place where it is None.
     """
-    if buffers is None:
-        return torch.mm(x_c, w_mm.t()).to(acc), None
-    z, p = buffers[0][: len(x_c)], buffers[1][: len(x_c)]
+    if buffer is None:
+        return torch.mm(x_c, w_mm.t()).to(acc)
+    z = buffer[: len(x_c)]
     if x_c.dtype == acc:
         torch.mm(x_c, w_mm.t(), out=z)
     else:
         z.copy_(torch.mm(x_c, w_mm.t()))  # rounded like head(x), then widened
-    return z, p
+    return z
 
 
 def _chunks(
@@ -372,21 +379,23 @@ def _chunks(
     keep = target != o.ignore_index
     index = torch.where(keep, target, 0).unsqueeze(1)
     grads = _Gradients(x, weight, o, want_x=want_x, want_w=want_w)
-    buffers = None
-    if grads.inplace:
+    buffer = None
+    if grads.inplace:  # one chunk's logits, reused: their softmax and gradient replace them
         shape = (min(o.chunk_size, num_tokens), vocab)
-        # The softmax goes to a second buffer: torch's fused row-wise kernel takes each row
-        # while it is in cache, where an in-place softmax of our own would take five passes.
-        buffers = (
-            torch.empty(shape, dtype=acc, device=x.device),
-            torch.empty(shape, dtype=acc, device=x.device),
-        )
+        buffer = torch.empty(shape, dtype=acc, device=x.device)
     losses = []
     for start in range(0, num_tokens, o.chunk_size):
         stop = min(start + o.chunk_size, num_tokens)
         x_c = x[start:stop].to(o.mm_dtype)
-        z, p = _chunk_logits(x_c, w_mm, acc, buffers)
-        row, grad = _row_losses(z, p, index[start:stop], keep[start:stop], o, want_x or want_w)
+        z = _chunk_logits(x_c, w_mm, acc, buffer)
+        row, grad = _row_losses(
+            z,
+            index[start:stop],
+            keep[start:stop],
+            o,
+            want_grad=want_x or want_w,
+            inplace=grads.inplace,
+        )
         losses.append(row)
         if grad is None:
             continue
@@ -638,8 +647,20 @@ def linear_cross_entropy(
         shard,
     )
     grad = torch.is_grad_enabled()
+    args = (x, weight, target, o, grad and x.requires_grad, grad and weight.requires_grad)
     with torch.autocast(x.device.type, enabled=False):
-        loss: torch.Tensor = _LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
-            x, weight, target, o, grad and x.requires_grad, grad and weight.requires_grad
-        )[0]
+        if torch.compiler.is_compiling():
+            return _LinearCrossEntropy.apply(*args)[0]  # type: ignore[no-untyped-call,no-any-return]
+        try:
+            loss: torch.Tensor = _LinearCrossEntropy.apply(*args)[0]  # type: ignore[no-untyped-call]
+        except NotImplementedError as error:
+            # Forward-mode AD calls the Function's jvp, which it has not: one of its own would
+            # make torch.compile break the graph, so the error is made clear here, eagerly.
+            if "jvp" not in str(error):
+                raise
+            raise RuntimeError(
+                "TiedLinear.cross_entropy does not support forward-mode AD (torch.func.jvp, "
+                "jacfwd, hessian, torch.autograd.forward_ad); compute the logits with head(x) "
+                "and take F.cross_entropy of them"
+            ) from error
     return loss

@@ -276,8 +276,7 @@ class TiedLinear:
             softcap: Replaces the logits with ``softcap * tanh(logits / softcap)`` before
                 the softmax and the z-loss (Gemma 2's soft-cap); None for none.
             chunk_size: Tokens per chunk, or None to bound each chunk's logits to
-                64 MiB (at least 16 tokens), and their softmax to as much again;
-                smaller chunks use less memory.
+                64 MiB (at least 16 tokens); smaller chunks use less memory.
 
         Returns:
             The loss: a scalar, or per token for ``reduction="none"``.
@@ -291,8 +290,8 @@ class TiedLinear:
             IndexError: If a counted target is outside ``[0, out_features)`` (eagerly on
                 the CPU; elsewhere the check is asynchronous, as ``F.cross_entropy``'s).
             RuntimeError: If the weight is a DTensor that FSDP2 resharded, or that is
-                sharded other than on the vocabulary of a 1-D mesh; the message names the
-                fix.
+                sharded other than on the vocabulary of a 1-D mesh, or under forward-mode
+                AD (``torch.func.jvp``); the message names the fix.
 
         Added in version v3.58.0.
 
