@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.nn._module_default_dict import ModuleDefaultDict, _is_valid_new_key
+from toolkit.nn._common import _is_dtensor
+from toolkit.nn._module_default_dict import ModuleDefaultDict, create_from_keys, is_valid_new_key
 
 __all__ = ["create_entries", "sync_entries"]
 
@@ -93,9 +94,8 @@ def create_entries(module: nn.Module, keys: Iterable[str], *, prefix: str = "") 
     # sort is stable, so they stay after it.
     first: dict[str, int] = {}
     for index, key in enumerate(stripped):
-        parts = key.split(".")
-        for end in range(1, len(parts)):
-            first.setdefault(".".join(parts[:end]), index)
+        for name in itertools.accumulate(key.split(".")[:-1], "{}.{}".format):
+            first.setdefault(name, index)
     return sorted(created, key=first.__getitem__)
 
 
@@ -112,7 +112,7 @@ def _matches(module: nn.Module, names: set[str], key: str) -> bool:
         if (
             isinstance(parent, ModuleDefaultDict)
             and parent.default_factory is not None
-            and (part in parent._modules or _is_valid_new_key(parent, part))
+            and (part in parent._modules or is_valid_new_key(parent, part))
         ):
             return True
         child = parent._modules.get(part)
@@ -144,7 +144,7 @@ def _prefix_of(module: nn.Module, names: set[str], key: str) -> str | None:
 
 def _create_under(module: nn.Module, path: str, keys: list[str], created: list[str]) -> None:
     if isinstance(module, ModuleDefaultDict):
-        created.extend(path + name for name in module._create_entries(keys, path))
+        created.extend(path + name for name in create_from_keys(module, keys, path))
     for name, child in module._modules.items():
         if child is not None:
             _create_under(child, f"{path}{name}.", keys, created)
@@ -308,7 +308,6 @@ def _wrapped(module: nn.Module) -> str | None:
     if not dist.is_available():  # pragma: no cover - builds without torch.distributed
         return None
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: PLC0415
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
 
     wrappers = (DistributedDataParallel, FSDPModule, FullyShardedDataParallel)
@@ -319,7 +318,7 @@ def _wrapped(module: nn.Module) -> str | None:
                 "the parameters that existed when it wrapped; create the entries before wrapping"
             )
     for name, param in module.named_parameters():
-        if isinstance(param, DTensor):
+        if _is_dtensor(param):
             return (
                 f"parameter {name} is a DTensor: the model is already sharded; create the "
                 "entries before fully_shard"

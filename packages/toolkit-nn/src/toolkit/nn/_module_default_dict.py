@@ -117,7 +117,22 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         def values(self) -> ValuesView[ModuleT]: ...
         def items(self) -> ItemsView[str, ModuleT]: ...
 
+    @overload
     def __init__(
+        self, default_factory: Callable[[], ModuleT] | None = None, **kwargs: ModuleT
+    ) -> None: ...
+    @overload
+    def __init__(
+        self,
+        default_factory: Callable[[], ModuleT] | None,
+        modules: Mapping[str, ModuleT] | Iterable[tuple[str, ModuleT]] | None,
+        /,
+        **kwargs: ModuleT,
+    ) -> None: ...
+
+    # mypy's objection: a key "default_factory" among the second form's keywords would clash
+    # with the first argument. Python raises TypeError for that call, as it should.
+    def __init__(  # type: ignore[misc]
         self,
         default_factory: Callable[[], ModuleT] | None = None,
         *args: Mapping[str, ModuleT] | Iterable[tuple[str, ModuleT]] | None,
@@ -325,25 +340,6 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         self._entry_placement = placement
         return self
 
-    def _create_entries(self, keys: Iterable[str], prefix: str) -> list[str]:
-        """Create the missing entries that ``keys``, state-dict keys under ``prefix``, name.
-
-        This is the one place where entries are created from state-dict keys: loading and
-        [`create_entries`][toolkit.nn.create_entries] both call it. Names that cannot be entries are
-        left alone; a load reports their keys as unexpected.
-
-        Returns:
-            The names of the entries created, in key order.
-        """
-        if self.default_factory is None:
-            return []
-        created = []
-        for name in _child_names(keys, prefix):
-            if name not in self._modules and _is_valid_new_key(self, name):
-                self.__missing__(name)
-                created.append(name)
-        return created
-
     def _check_new_key(self, key: object) -> None:
         if not isinstance(key, str):
             raise TypeError(
@@ -395,7 +391,30 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
 def _create_loaded_entries(
     module: ModuleDefaultDict[Any], state_dict: Mapping[str, Any], prefix: str, *_: object
 ) -> None:
-    module._create_entries(state_dict, prefix)
+    create_from_keys(module, state_dict, prefix)
+
+
+def create_from_keys(mdd: ModuleDefaultDict[Any], keys: Iterable[str], prefix: str) -> list[str]:
+    """Create the missing entries of ``mdd`` that ``keys``, state-dict keys under ``prefix``, name.
+
+    This is the one place where entries are created from state-dict keys: loading and
+    ``create_entries`` both call it. Names that cannot be entries are left alone; a load
+    reports their keys as unexpected.
+
+    Returns:
+        The names of the entries created, in key order.
+    """
+    if mdd.default_factory is None:
+        return []
+    created = []
+    for key in keys:
+        # The first name after the prefix, if the key has a further part, names an entry; an
+        # existing entry is not a valid new key, so each is created once.
+        head, dot, _ = key[len(prefix) :].partition(".")
+        if key.startswith(prefix) and dot and is_valid_new_key(mdd, head):
+            mdd.__missing__(head)
+            created.append(head)
+    return created
 
 
 def _check_factory(factory: object) -> None:
@@ -415,18 +434,7 @@ def _check_factory(factory: object) -> None:
         )
 
 
-def _child_names(keys: Iterable[str], prefix: str) -> dict[str, None]:
-    """The first name after ``prefix`` in each key that has a further part, in key order."""
-    names: dict[str, None] = {}
-    for key in keys:
-        if key.startswith(prefix):
-            head, dot, _ = key[len(prefix) :].partition(".")
-            if dot:
-                names[head] = None
-    return names
-
-
-def _is_valid_new_key(mdd: ModuleDefaultDict[Any], key: str) -> bool:
+def is_valid_new_key(mdd: ModuleDefaultDict[Any], key: str) -> bool:
     try:
         mdd._check_new_key(key)
     except KeyError:

@@ -3,74 +3,43 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from toolkit.nn._common import _describe, _is_dtensor, _Linear
 from toolkit.nn._cross_entropy import VocabShard, linear_cross_entropy
 from toolkit.nn._tied_linear_diagnosis import (
-    _describe,
-    _dtensor_cross_entropy_error,
-    _explain_failure,
-    _is_dtensor,
-    _resharded_by_fsdp,
+    dtensor_cross_entropy_error,
+    explain_failure,
+    resharded_by_fsdp,
 )
 
 __all__ = ["TiedLinear"]
 
 
-class _Linear(nn.Module):
-    """The module that performs ``F.linear(x, weight)``, so that hooks can observe it."""
-
-    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, weight)
-
-
 class TiedLinear:
     """A bias-free linear layer whose weight is shared with another module, read live on every call.
 
-    TiedLinear does not copy or cache ``tied_module``'s weight; it reads
-    ``tied_module.weight`` on every call. This keeps the two layers tied even if
-    ``tied_module`` is later re-wrapped by something like FSDP, which replaces the memory
-    backing a weight but not the Module object that owns it. The same live read honours a
-    new Parameter assigned to ``tied_module``, ``to_empty`` after meta-device init,
-    ``load_state_dict(assign=True)``, ``.to()``, parametrizations and
-    ``torch.func.functional_call``. Under FSDP2 the weight must be unsharded when TiedLinear
-    reads it: if ``tied_module`` is its own ``fully_shard`` unit that reshards after its
-    forward, the call raises a RuntimeError naming the module and the ways to regroup it.
-    Under tensor parallelism the same live read takes the tied module's vocabulary-sharded
-    weight; ``TiedLinearParallel`` prepares the head's input and logits around it.
-
-    TiedLinear intentionally does not subclass ``torch.nn.Module``.
-    ``Module.__setattr__`` auto-registers any Module-valued attribute as a submodule, which
-    would cause ``tied_module`` to be registered twice (once under its original owner, once
-    under TiedLinear), duplicating its weight in ``state_dict()`` and ``parameters()``. The
-    actual ``torch.nn.functional.linear`` call is performed by the ``linear`` attribute,
-    a real Module, so forward hooks can still be attached to observe the transform: its
-    forward takes ``(x, weight)``.
-
-    The weight is checked when TiedLinear is built and again on every call, so a weight
-    assigned to ``tied_module`` later that is not a 2-D tensor raises instead of giving a
-    wrongly shaped output.
-
-    Because the weight is owned by ``tied_module`` alone, a model's state dict has one key
-    for it and no shared storage, so ``safetensors.torch.save_file`` works, and
-    ``copy.deepcopy`` or ``pickle`` of the model re-ties the copy to the copied module.
+    ``head(x)`` is ``F.linear(x, tied_module.weight)``, the weight read on every call, so the
+    tie survives what replaces the weight: a new Parameter, ``.to()``, ``to_empty()`` after
+    meta-device init, ``load_state_dict(assign=True)``, FSDP2 re-sharding. TiedLinear is not
+    an ``nn.Module`` (a Module attribute would register ``tied_module`` twice): the model's
+    state dict holds the weight once, under ``tied_module``. Forward hooks go on ``linear``,
+    the Module that computes the product. Under FSDP2 the weight must be unsharded when
+    read. The [tied LM heads guide][tied-lm-heads-with-tiedlinear] shows a whole model, and
+    the [sharded training guide][supported-placements] the FSDP2 layouts.
 
     Args:
-        tied_module: The module whose ``weight`` attribute is shared. Only the weight is
-            used; any bias on ``tied_module`` is ignored.
+        tied_module: The module whose ``weight`` is shared, such as the token embedding. A
+            bias on it is ignored.
 
     Raises:
-        AttributeError: If ``tied_module`` does not have a ``weight`` attribute. Whatever
-            ``tied_module`` is, a tensor passed in place of its module included, this is the
-            error, as it is in torchtune's ``TiedLinear``.
-        TypeError: If ``tied_module`` has a ``weight`` but is not a Module, or its
-            ``weight`` is not a tensor.
-        ValueError: If ``tied_module.weight`` is not 2-D. An uninitialized lazy parameter is
-            accepted; its shape is checked when it is used.
+        AttributeError: If ``tied_module`` has no ``weight`` (a tensor passed instead of its
+            module included), as in torchtune's ``TiedLinear``, which this replaces.
+        TypeError: If ``tied_module`` is not a Module, or its ``weight`` is not a tensor.
+        ValueError: If ``tied_module.weight`` is not 2-D (a lazy weight is checked when
+            used).
 
-    Added in version v3.58.0. Native replacement for torchtune's ``TiedLinear``, removing the
-    ``torchtune`` dependency.
+    Added in version v3.58.0.
 
     Examples:
         >>> import torch
@@ -146,7 +115,7 @@ class TiedLinear:
             return self.linear(x, weight)  # type: ignore[no-any-return]
         except RuntimeError as error:
             # Diagnose only once the call has failed, so the normal path pays nothing.
-            explained = _explain_failure(self, x, weight)
+            explained = explain_failure(self.tied_module, x, weight)
             if explained is None:
                 raise
             raise explained from error
@@ -314,8 +283,8 @@ class TiedLinear:
         shard = None
         if _is_dtensor(weight):
             shard = _vocab_shard(weight)
-            if shard is None or _resharded_by_fsdp(self.tied_module, weight):
-                raise _dtensor_cross_entropy_error(self, weight)
+            if shard is None or resharded_by_fsdp(self.tied_module, weight):
+                raise dtensor_cross_entropy_error(self.tied_module, weight)
             weight = weight.to_local()  # type: ignore[attr-defined] # a DTensor here
             x = _whole_input(x)
         return linear_cross_entropy(

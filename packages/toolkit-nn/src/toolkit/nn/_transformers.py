@@ -58,7 +58,7 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
         )
     kind = type(model).__name__
     hf: Any = model  # its transformers methods are not typed here
-    if not getattr(hf.config, "tie_word_embeddings", False):
+    if not getattr(hf.config, "tie_word_embeddings", None):
         raise ValueError(
             f"{kind}'s config has tie_word_embeddings=False: its head has weights of its own, "
             "which tying would discard; build the model with tie_word_embeddings=True to tie it"
