@@ -44,7 +44,10 @@ def clip_grad_norm_(
         RuntimeError: If ``error_if_nonfinite`` is set and the total norm is not finite;
             no gradient is changed.
 
+    Added in version v3.58.0.
+
     Examples:
+        >>> import torch
         >>> from toolkit.nn import clip_grad_norm_
         >>> layer = torch.nn.Linear(2, 1)
         >>> layer(torch.ones(1, 2)).sum().backward()

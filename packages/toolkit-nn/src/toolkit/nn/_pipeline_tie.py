@@ -336,11 +336,9 @@ def pipeline_clip_grad_norm_(
     """Clip the gradients of a pipeline's stages by their total norm, counting a tie once.
 
     The total norm is the one ``torch.nn.utils.clip_grad_norm_`` gives for the whole model
-    in one process: each rank takes the norm of its stages' gradients, as
-    ``toolkit.nn.clip_grad_norm_`` does (DTensors on any meshes), leaving out the
-    duplicate copies of ``tie`` (``PipelineTie.duplicates()``), and the ranks of the
-    pipeline combine theirs in float64, whatever the dtype of each rank's gradients. Call
-    it after ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
+    in one process: each rank takes its stages' norm as ``toolkit.nn.clip_grad_norm_`` does,
+    without ``tie``'s duplicate copies, and the ranks combine theirs in float64. Call it
+    after ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
 
     Args:
         parameters: This rank's parameters, of every stage it holds: a tensor or an

@@ -199,50 +199,20 @@ class TiedLinear:
     ) -> torch.Tensor:
         """The cross-entropy of ``self(x)`` against ``target``, without the full logits.
 
-        Equal to ``F.cross_entropy(self(x), target, ...)`` over the flattened tokens, with
-        the logits widened to float32 from bfloat16 and float16, and its gradients, but
-        computed a chunk of tokens at a time in two reused buffers (the logits and their
-        softmax): at most one chunk's logits exist at once, so a long sequence over a large
-        vocabulary needs a fraction of the plain path's memory, in the same matrix
-        products. For a mean or a sum the gradients of ``x`` and of the tied weight are
-        computed in the forward pass and only scaled by backward, in float32, so a float16
-        loss scale is applied before anything is rounded to float16. For
-        ``reduction="none"``, and for a backward that builds a graph
-        (``create_graph=True``, ``torch.func.grad``, ``jacrev``), backward recomputes the
-        chunks; second-order gradients are the plain path's. ``torch.func.vmap`` takes one
-        loss per entry; forward-mode AD is not supported. With no gradient needed, only
-        the loss is computed.
-
-        The weight is read live, as by ``__call__``, and its gradient flows to
-        ``tied_module``, so a tied embedding receives the sum of the lookup and head
-        gradients. Hooks on ``linear`` are not called: the logits never exist. The
-        products run in the dtype ``self(x)`` runs them in, under autocast too, and
-        accumulate in float32 for bfloat16 and float16; the loss is float32 for them and
-        has the products' dtype otherwise. It compiles with ``torch.compile(fullgraph=True)``,
-        where an out-of-range target fails as an asynchronous assertion (RuntimeError).
-
-        Under FSDP2 the weight must be unsharded when this runs: call it inside the
-        forward of the unit that holds ``tied_module`` (such as the root), or register
-        the method that calls it with
-        ``torch.distributed.fsdp.register_fsdp_forward_method``. Under tensor parallelism,
-        with the weight sharded on the vocabulary (``Shard(0)`` on a 1-D mesh, as
-        ``RowwiseParallel`` shards an embedding), each rank takes the logits of its own
-        rows and the ranks exchange only per-token statistics and x's gradient; ``x`` must
-        be the whole input on every rank (a DTensor is gathered first).
+        ``F.cross_entropy(self(x), target, ...)`` over the flattened tokens, and its
+        gradients, computed a chunk of tokens at a time (16-bit logits widened to float32);
+        hooks on ``linear`` are not called. The [tied LM heads guide][tied-lm-heads-with-tiedlinear]
+        covers dtypes, autograd, ``torch.compile``, FSDP2 and tensor parallelism.
 
         Args:
             x: Input of shape (..., in_features).
             target: Class indices of an integer dtype, with ``x``'s leading shape.
             ignore_index: Target value that is not counted, as in ``F.cross_entropy``.
-            reduction: ``"mean"`` over the counted tokens (nan when none is counted, as
-                in ``F.cross_entropy``), ``"sum"``, or ``"none"``: each token's loss, in
-                ``target``'s shape, 0 where ignored.
-            label_smoothing: Amount of smoothing in [0.0, 1.0], as in
-                ``F.cross_entropy``.
-            z_loss: Adds ``z_loss * logsumexp(logits) ** 2`` per counted token, reduced
-                as the loss is (PaLM's z-loss); 0.0 for none.
-            softcap: Replaces the logits with ``softcap * tanh(logits / softcap)`` before
-                the softmax and the z-loss (Gemma 2's soft-cap); None for none.
+            reduction: ``"mean"`` over the counted tokens, ``"sum"``, or ``"none"`` (per
+                token, 0 where ignored).
+            label_smoothing: As in ``F.cross_entropy``.
+            z_loss: Adds ``z_loss * logsumexp(logits) ** 2`` per counted token (PaLM).
+            softcap: Logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
             chunk_size: Tokens per chunk, or None to bound each chunk's logits to
                 64 MiB (at least 16 tokens), and their softmax to as much again;
                 smaller chunks use less memory.
@@ -251,18 +221,10 @@ class TiedLinear:
             The loss: a scalar, or per token for ``reduction="none"``.
 
         Raises:
-            ValueError: If ``reduction``, ``label_smoothing``, ``z_loss``, ``softcap`` or
-                ``chunk_size`` is invalid, or the shapes of ``x``, ``target`` and the
-                weight disagree.
-            TypeError: If ``target`` is not an integer tensor, or ``x`` is not a
-                floating-point tensor of the weight's dtype (outside autocast).
-            IndexError: If a counted target is outside ``[0, out_features)`` (eagerly on
-                the CPU; elsewhere the check is asynchronous, as ``F.cross_entropy``'s).
-            RuntimeError: If the weight is a DTensor that FSDP2 resharded, or that is
-                sharded other than on the vocabulary of a 1-D mesh; the message names the
-                fix.
-
-        Added in version v3.58.0.
+            ValueError: If an argument is invalid or the shapes disagree.
+            TypeError: If ``target`` is not integer, or ``x`` not of the weight's dtype.
+            IndexError: If a counted target is outside ``[0, out_features)`` (on the CPU).
+            RuntimeError: If the weight is a DTensor it cannot take (the message says why).
 
         Examples:
             >>> import torch
@@ -273,10 +235,6 @@ class TiedLinear:
             >>> x, target = torch.randn(8, 16), torch.randint(0, 100, (8,))
             >>> loss = head.cross_entropy(x, target, chunk_size=3)
             >>> torch.allclose(loss, F.cross_entropy(head(x), target))
-            True
-            >>> capped = 30.0 * torch.tanh(head(x) / 30.0)
-            >>> per_token = head.cross_entropy(x, target, reduction="none", softcap=30.0)
-            >>> torch.allclose(per_token, F.cross_entropy(capped, target, reduction="none"))
             True
         """
         weight: torch.Tensor = self.tied_module.weight  # type: ignore[assignment]

@@ -37,6 +37,8 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
             embeddings, or its head is not the bias-free, tied Linear a tied model holds.
             Nothing is changed.
 
+    Added in version v3.58.0.
+
     Examples:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> from toolkit.nn import tie_output_embeddings
