@@ -117,3 +117,20 @@ toolkit.nn.TiedLinearParallel
 assert "torch.distributed.tensor" in sys.modules
 """
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_docstrings_are_short_and_date_each_public_name_once() -> None:
+    """A docstring says what, the arguments, what is raised and one example; the narrative
+    lives in the guides under docs/."""
+    long = []
+    added = []
+    for name, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+                docstring = ast.get_docstring(node, clean=False) or ""
+                if len(docstring.splitlines()) > 40:
+                    long.append(f"{name}.{getattr(node, 'name', '')}")
+                if "Added in version" in docstring:
+                    added.append(getattr(node, "name", name))
+    assert long == []
+    assert sorted(added) == sorted(n for n in toolkit.nn.__all__ if n != "__version__")

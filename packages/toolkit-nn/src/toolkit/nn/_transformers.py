@@ -22,7 +22,8 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
     copy of the weight, which a stock model loads), ``resize_token_embeddings()``, meta-device
     init and FSDP2 work as on the stock tied model, and ``head.cross_entropy`` takes the loss
     without the logits. The package does not import transformers; ``model`` is any
-    ``PreTrainedModel`` with input and output embeddings.
+    ``PreTrainedModel`` with input and output embeddings. See the
+    [Hugging Face transformers guide][hugging-face-transformers].
 
     Args:
         model: A transformers ``PreTrainedModel`` whose config ties the word embeddings.
