@@ -68,6 +68,10 @@ def test_an_unknown_attribute_raises_attribute_error() -> None:
         toolkit.nn.Nope  # noqa: B018
 
 
+def test_the_style_prints_as_a_name_of_the_package() -> None:
+    assert repr(TiedLinearParallel) == "<class 'toolkit.nn.TiedLinearParallel'>"
+
+
 def test_the_package_attribute_is_looked_up_on_each_use_and_gives_the_style() -> None:
     # The name is not cached in the package's namespace: every access asks __getattr__.
     assert "TiedLinearParallel" not in vars(toolkit.nn)

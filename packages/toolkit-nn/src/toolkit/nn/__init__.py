@@ -38,7 +38,8 @@ __all__ = [
 
 
 # Public names print, pickle and appear in torch's errors as toolkit.nn.X, where users find
-# them, not under the private module that defines them.
+# them, not under the private module that defines them (TiedLinearParallel, loaded lazily,
+# says so in its own module).
 for _public in (
     ModuleDefaultDict,
     PipelineTie,
@@ -59,6 +60,5 @@ def __getattr__(name: str) -> object:
     if name == "TiedLinearParallel":
         from toolkit.nn._tensor_parallel import TiedLinearParallel  # noqa: PLC0415
 
-        TiedLinearParallel.__module__ = __name__
         return TiedLinearParallel
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -135,6 +135,10 @@ class TiedLinearParallel(ParallelStyle):
         )
 
 
+# Where users find it, as every public name of the package (see __init__.py).
+TiedLinearParallel.__module__ = "toolkit.nn"
+
+
 def _local_vocabulary(layout: Shard) -> str:
     """The error for a plain local tensor of logits sharded on the vocabulary by ``layout``."""
     return (
