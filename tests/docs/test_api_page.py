@@ -46,8 +46,8 @@ def sections(site: Path) -> dict[str, str]:
 
 def test_the_module_has_its_summary_and_a_table_of_classes(sections: dict[str, str]) -> None:
     module = sections["toolkit.nn"]
-    assert "Module for PyTorch neural network utilities." in module
-    assert "Classes: Name Description ModuleDefaultDict Holds submodules" in module
+    assert "PyTorch neural-network utilities" in module
+    assert "Classes: Name Description ModuleDefaultDict An nn.ModuleDict that builds" in module
     assert "TiedLinear A bias-free linear layer" in module
 
 
@@ -70,14 +70,12 @@ def test_the_parameter_tables_give_types_from_the_signatures_and_defaults(
     sections: dict[str, str],
 ) -> None:
     assert (
-        "default_factory Callable[[], ModuleT] | None A no argument constructor"
+        "default_factory Callable[[], ModuleT] | None A callable without arguments"
         in sections["ModuleDefaultDict"]
     )
-    assert "**kwargs ModuleT Initial dictionary values" in sections["ModuleDefaultDict"]
+    assert "**kwargs ModuleT Initial entries" in sections["ModuleDefaultDict"]
     assert "key str The name of the module to retrieve. required" in sections["ModuleDefaultDict"]
-    assert (
-        "tied_module Module The module whose weight attribute is shared." in sections["TiedLinear"]
-    )
+    assert "tied_module Module The module whose weight is shared" in sections["TiedLinear"]
 
 
 def test_the_entry_points_are_listed_with_their_summaries(sections: dict[str, str]) -> None:
@@ -86,9 +84,7 @@ def test_the_entry_points_are_listed_with_their_summaries(sections: dict[str, st
         in sections["ModuleDefaultDict"]
     )
     assert "__call__ Apply the tied linear transform." in sections["TiedLinear"]
-    assert (
-        "AttributeError If tied_module does not have a weight attribute." in sections["TiedLinear"]
-    )
+    assert "AttributeError If tied_module has no weight" in sections["TiedLinear"]
 
 
 def test_the_tensor_parallel_style_shows_its_base_parameters_and_errors(
@@ -97,8 +93,8 @@ def test_the_tensor_parallel_style_shows_its_base_parameters_and_errors(
     text = sections["TiedLinearParallel"]
     assert "Bases: ParallelStyle" in text
     assert "Parameters: Name Type Description Default" in text
-    assert "input_layouts Placement | None The layout of the head's input" in text
-    assert "use_local_output bool Whether to return this rank's local tensor" in text
+    assert "input_layouts Placement | None The layout of a plain-tensor input" in text
+    assert "use_local_output bool Return this rank's local tensor" in text
     assert "Raises: Type Description TypeError If applied to anything but" in text
     assert "Added in version v3.58.0." in text
     assert SPHINX_ROLE.search(text) is None
@@ -118,3 +114,33 @@ def test_tied_linear_lists_cross_entropy(sections: dict[str, str]) -> None:
         "cross_entropy The cross-entropy of self(x) against target, without the full logits."
         in sections["TiedLinear"]
     )
+
+
+def test_only_public_signatures_are_shown(sections: dict[str, str]) -> None:
+    """The typing overloads are the signatures; the implementation's, with its catch-all
+    types, is not shown."""
+    text = sections["ModuleDefaultDict"]
+    assert (
+        "ModuleDefaultDict( default_factory: Callable[[], ModuleT] | None, modules: "
+        "Mapping[str, ModuleT] | Iterable[tuple[str, ModuleT]] | None, /, **kwargs: ModuleT, )"
+    ) in text
+    assert "get(key: str, default: T) -> ModuleT | T" in text
+    for implementation in ["_MISSING", "default: object", "-> object", "*args", "*modules:"]:
+        assert implementation not in text
+
+
+def test_the_guides_are_links(sections: dict[str, str]) -> None:
+    for name, guide in [
+        ("ModuleDefaultDict", "per-task-heads.html"),
+        ("TiedLinear", "tied-lm-heads.html"),
+        ("TiedLinearParallel", "tensor-parallel.html"),
+    ]:
+        assert re.search(rf'<a [^>]*href="\.\./{guide}#[^"]*"', sections[f"{name} html"]), name
+
+
+def test_the_tensor_parallel_example_renders_as_code(sections: dict[str, str]) -> None:
+    fragment = sections["TiedLinearParallel html"]
+    assert "::" not in sections["TiedLinearParallel"].split("Examples:")[1]
+    code = fragment[fragment.index("Examples:") :]
+    assert "<code" in code
+    assert "parallelize_module(model.head.linear, tp_mesh, TiedLinearParallel())" in _text(code)

@@ -1,9 +1,12 @@
-"""The distribution: its version and its place in the ``toolkit`` namespace."""
+"""The distribution: its version, its place in the ``toolkit`` namespace and its public names."""
 
 from __future__ import annotations
 
 import importlib.metadata
 from pathlib import Path
+
+import pytest
+from torch import nn
 
 import toolkit
 import toolkit.nn
@@ -35,3 +38,15 @@ def test_public_api() -> None:
         "sync_entries",
         "tie_output_embeddings",
     ]
+
+
+def test_public_names_print_as_toolkit_nn() -> None:
+    # Where a user finds them, not the private module that defines them: in reprs, pickles
+    # and torch's own errors.
+    for name in toolkit.nn.__all__:
+        if name != "__version__":
+            assert getattr(toolkit.nn, name).__module__ == "toolkit.nn", name
+    assert repr(toolkit.nn.TiedLinearParallel) == "<class 'toolkit.nn.TiedLinearParallel'>"
+    embedding = nn.Embedding(17, 8)
+    with pytest.raises(TypeError, match=r"^toolkit\.nn\.TiedLinear is not a Module subclass$"):
+        nn.Sequential(embedding, toolkit.nn.TiedLinear(embedding))

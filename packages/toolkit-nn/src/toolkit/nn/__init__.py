@@ -1,4 +1,9 @@
-"""Module for PyTorch neural network utilities."""
+"""PyTorch neural-network utilities: ModuleDefaultDict, TiedLinear and their distributed kin.
+
+The public names: ModuleDefaultDict, create_entries, sync_entries, TiedLinear,
+TiedLinearParallel, PipelineTie, pipeline_clip_grad_norm_, clip_grad_norm_ and
+tie_output_embeddings.
+"""
 
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
@@ -30,6 +35,23 @@ __all__ = [
     "sync_entries",
     "tie_output_embeddings",
 ]
+
+
+# Public names print, pickle and appear in torch's errors as toolkit.nn.X, where users find
+# them, not under the private module that defines them (TiedLinearParallel, loaded lazily,
+# says so in its own module).
+for _public in (
+    ModuleDefaultDict,
+    PipelineTie,
+    TiedLinear,
+    clip_grad_norm_,
+    create_entries,
+    pipeline_clip_grad_norm_,
+    sync_entries,
+    tie_output_embeddings,
+):
+    _public.__module__ = __name__
+del _public
 
 
 def __getattr__(name: str) -> object:

@@ -6,7 +6,7 @@ from collections.abc import Hashable, Iterable
 
 import torch
 
-from toolkit.nn._tied_linear_diagnosis import _is_dtensor
+from toolkit.nn._common import _is_dtensor
 
 __all__ = ["clip_grad_norm_"]
 
@@ -44,7 +44,10 @@ def clip_grad_norm_(
         RuntimeError: If ``error_if_nonfinite`` is set and the total norm is not finite;
             no gradient is changed.
 
+    Added in version v3.58.0.
+
     Examples:
+        >>> import torch
         >>> from toolkit.nn import clip_grad_norm_
         >>> layer = torch.nn.Linear(2, 1)
         >>> layer(torch.ones(1, 2)).sum().backward()
@@ -52,14 +55,14 @@ def clip_grad_norm_(
         tensor(1.7321)
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    groups = _by_layout(params)
-    total = _total_norm(groups, norm_type, foreach)
-    _check_finite(total, norm_type, error_if_nonfinite)
-    _clip_with_norm(groups, max_norm, total, foreach)
+    groups = by_layout(params)
+    total = total_norm(groups, norm_type, foreach)
+    check_finite(total, norm_type, error_if_nonfinite)
+    clip_with_norm(groups, max_norm, total, foreach)
     return total
 
 
-def _by_layout(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+def by_layout(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     """The parameters with a gradient, grouped by the device mesh of the gradient.
 
     Every plain tensor is in one group. The groups come in the order their meshes first
@@ -74,7 +77,7 @@ def _by_layout(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def _total_norm(
+def total_norm(
     groups: list[list[torch.Tensor]], norm_type: float, foreach: bool | None
 ) -> torch.Tensor:
     """The norm of the groups' gradients as one vector, a plain tensor.
@@ -94,7 +97,7 @@ def _total_norm(
     return stacked.sum() if norm_type == 0 else torch.linalg.vector_norm(stacked, norm_type)
 
 
-def _check_finite(total: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> None:
+def check_finite(total: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> None:
     if error_if_nonfinite and not bool(total.isfinite()):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
@@ -103,7 +106,7 @@ def _check_finite(total: torch.Tensor, norm_type: float, error_if_nonfinite: boo
         )
 
 
-def _clip_with_norm(
+def clip_with_norm(
     groups: list[list[torch.Tensor]], max_norm: float, total: torch.Tensor, foreach: bool | None
 ) -> None:
     """Scale every group's gradients by ``max_norm / total``, at most 1: one call per mesh."""

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.nn._module_default_dict import ModuleDefaultDict, _is_valid_new_key
+from toolkit.nn._common import _is_dtensor
+from toolkit.nn._module_default_dict import ModuleDefaultDict, create_from_keys, is_valid_new_key
 
 __all__ = ["create_entries", "sync_entries"]
 
@@ -19,44 +20,28 @@ __all__ = ["create_entries", "sync_entries"]
 def create_entries(module: nn.Module, keys: Iterable[str], *, prefix: str = "") -> list[str]:
     """Create the ModuleDefaultDict entries that state-dict ``keys`` name, as loading would.
 
-    A ``torch.distributed.checkpoint`` (DCP) resume loads into the state dict of the model
-    as it is: ``sd = model.state_dict(); dcp.load(sd, ...); model.load_state_dict(sd)``. A
-    freshly built model has no entries yet, so its state dict names none, DCP plans nothing
-    for them and the resumed model would have no entries at all. Call this first with the
-    checkpoint's keys, ``dcp.FileSystemReader(path).read_metadata().state_dict_metadata``,
-    so that the model's state dict names every entry the checkpoint holds.
-
-    Every ModuleDefaultDict with a factory inside ``module`` (``module`` itself and the dicts
-    of entries created on the way included) creates the entries that the keys name, through
-    the same code as ``load_state_dict``: a new entry follows the dict's device, dtype and
-    training mode, and names that cannot be entries are left for the load to report.
-
-    A key matches ``module`` when, once ``prefix`` is removed, it falls under a state-dict
-    name of ``module`` (its trunk included) or names an entry that one of its dicts has or
-    could create. Keys without ``prefix``, such as ``"step"`` beside ``"model.*"``, are
-    ignored. If there are keys but not one matches, the prefix is wrong and the resume would
-    silently lose every entry, so the call raises instead.
+    A ``torch.distributed.checkpoint`` (DCP) resume loads into the model's state dict as it
+    is, which names no entry of a fresh model: call this first with the checkpoint's keys
+    (``dcp.FileSystemReader(path).read_metadata().state_dict_metadata``). Every dict with a
+    factory inside ``module`` creates its entries as ``load_state_dict`` does. Keys without
+    ``prefix`` are ignored; if not one key matches ``module``, the resume would silently
+    lose every entry, so the call raises. See
+    [training on several ranks][training-on-several-ranks].
 
     Args:
-        module: The model, before it is wrapped by DDP or FSDP. A wrapper at or below it, or
-            a DTensor parameter, is refused; ``ddp.module`` or a dict of an FSDP2-sharded
-            model that has no entries yet cannot be recognised and is not refused.
+        module: The model, before it is wrapped by DDP or FSDP.
         keys: Fully qualified state-dict keys, such as ``"heads.alpha.weight"``.
-        prefix: Removed from each key first; keys without it are ignored. A DCP checkpoint
-            saved as ``{"model": model_state_dict}`` has keys such as
-            ``"model.heads.alpha.weight"``: pass ``prefix="model."``.
+        prefix: Removed from each key first, such as ``"model."`` for a checkpoint saved
+            as ``{"model": model_state_dict}``.
 
     Returns:
-        The qualified names of the entries created, such as ``"heads.alpha"`` or
-        ``"outer.x.inner.y"``, in key order (an entry before the entries inside it). A second
-        call with the same keys, or keys that match only the trunk, create nothing and
-        return ``[]``.
+        The qualified names of the entries created, in key order (an entry before those
+        inside it); ``[]`` when there is nothing to create.
 
     Raises:
-        ValueError: If ``prefix`` is not empty and does not end with ``"."``; if there are
-            keys but not one matches ``module`` (the message names the prefix the keys
-            share, where one makes them match); or if ``module`` is already wrapped by DDP
-            or FSDP, whose parameters are fixed when they wrap. Nothing is created then.
+        ValueError: If ``prefix`` is not empty and does not end with ``"."``, if not one of
+            the keys matches ``module`` (naming the prefix that would), or if ``module``
+            is wrapped by DDP or FSDP or holds DTensors. Nothing is created then.
         TypeError: If a factory returns something that is not a Module.
 
     Added in version v3.58.0.
@@ -93,9 +78,8 @@ def create_entries(module: nn.Module, keys: Iterable[str], *, prefix: str = "") 
     # sort is stable, so they stay after it.
     first: dict[str, int] = {}
     for index, key in enumerate(stripped):
-        parts = key.split(".")
-        for end in range(1, len(parts)):
-            first.setdefault(".".join(parts[:end]), index)
+        for name in itertools.accumulate(key.split(".")[:-1], "{}.{}".format):
+            first.setdefault(name, index)
     return sorted(created, key=first.__getitem__)
 
 
@@ -112,7 +96,7 @@ def _matches(module: nn.Module, names: set[str], key: str) -> bool:
         if (
             isinstance(parent, ModuleDefaultDict)
             and parent.default_factory is not None
-            and (part in parent._modules or _is_valid_new_key(parent, part))
+            and (part in parent._modules or is_valid_new_key(parent, part))
         ):
             return True
         child = parent._modules.get(part)
@@ -144,7 +128,7 @@ def _prefix_of(module: nn.Module, names: set[str], key: str) -> str | None:
 
 def _create_under(module: nn.Module, path: str, keys: list[str], created: list[str]) -> None:
     if isinstance(module, ModuleDefaultDict):
-        created.extend(path + name for name in module._create_entries(keys, path))
+        created.extend(path + name for name in create_from_keys(module, keys, path))
     for name, child in module._modules.items():
         if child is not None:
             _create_under(child, f"{path}{name}.", keys, created)
@@ -153,30 +137,14 @@ def _create_under(module: nn.Module, path: str, keys: list[str], created: list[s
 def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> list[str]:
     """Give every rank the same ModuleDefaultDict entries, in the same order, with equal values.
 
-    With per-rank data, ranks create different entries: rank 0 reads ``heads["a"]`` and
-    rank 1 ``heads["b"]``. DDP would then wrap without a word when the shapes match, and
-    average the gradients of two different heads. Every rank of ``group`` calls this, before
-    wrapping. Afterwards every ModuleDefaultDict in ``module`` holds the union of the entries
-    of all ranks, in the same order on every rank (rank 0's entries in its order, then those
-    of rank 1 that rank 0 lacked, and so on), and every entry's parameters and buffers equal
-    those of the lowest rank that had the entry before the call. Missing entries are
-    created by the dict's factory, so they follow its device, dtype and training mode.
-    Tensors on the meta device hold no values and are left as they are. An entry must have
-    the same parameter and buffer names, shapes and dtypes on every rank that has it or
-    creates it, and be registered under one name only.
-
-    A miss after wrapping would create an entry that no other rank has and whose gradients
-    are never reduced. Neither DDP nor FSDP2 leaves a mark that the dict can see from
-    inside: DDP holds the model without changing it, and ``fully_shard`` changes the class of
-    the modules it is applied to, usually the model and its blocks, while a dict has no link
-    to the modules above it. A miss therefore cannot tell reliably that it is too late, so
-    close the dicts instead once the entries are synchronised:
-    ``model.heads.default_factory = None``. A miss then raises ``KeyError`` whatever the
-    wrapper. For the same reason this function and
-    [`create_entries`][toolkit.nn.create_entries] refuse what they can see: a wrapper at or
-    below ``module``, or a DTensor parameter. They cannot refuse ``ddp.module``, the model
-    that DDP wraps, nor a dict of an FSDP2-sharded model that has no entries yet: pass the
-    model before wrapping it.
+    With per-rank data, ranks create different entries, and DDP would silently average the
+    gradients of different heads. Every rank of ``group`` calls this, before wrapping:
+    afterwards each dict in ``module`` holds the union of all ranks' entries, in one order
+    on every rank, with the values of the lowest rank that had each. Missing entries are
+    built by the dict's factory. Close the dicts afterwards
+    (``model.heads.default_factory = None``), so that a later miss raises instead of
+    creating an entry on one rank. See
+    [training on several ranks][training-on-several-ranks].
 
     Args:
         module: The model, before it is wrapped by DDP or FSDP.
@@ -189,16 +157,21 @@ def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> l
 
     Raises:
         ValueError: On this rank alone, before any collective, if it is not a rank of
-            ``group``. On every rank, with nothing changed on any rank: if ``module`` is
-            wrapped by DDP or FSDP or holds DTensor parameters on some rank; if an entry is
-            registered under two names on some rank; if an entry has different parameter or
-            buffer names, shapes or dtypes on two ranks, or is created so; or if a tensor is
-            on the meta device on some ranks only.
-        RuntimeError: On every rank, if creating an entry failed on some rank (its dict has
-            no factory there, or the factory raised). The entries created by the call are
-            removed again, on every rank.
+            ``group``. On every rank, with nothing changed: if ``module`` is wrapped by DDP
+            or FSDP or holds DTensors on some rank, an entry is registered under two names,
+            an entry differs in parameter or buffer names, shapes or dtypes between ranks,
+            or a tensor is on the meta device on some ranks only.
+        RuntimeError: On every rank, if creating an entry failed on some rank; the entries
+            the call created are removed again, on every rank.
 
     Added in version v3.58.0.
+
+    Examples:
+        On every rank, before wrapping the model:
+
+        >>> from toolkit.nn import sync_entries
+        >>> created = sync_entries(model)  # doctest: +SKIP
+        >>> model.heads.default_factory = None  # doctest: +SKIP
     """
     if dist.get_rank(group) < 0:
         # A rank outside the group must not enter the group's collectives.
@@ -308,7 +281,6 @@ def _wrapped(module: nn.Module) -> str | None:
     if not dist.is_available():  # pragma: no cover - builds without torch.distributed
         return None
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: PLC0415
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
 
     wrappers = (DistributedDataParallel, FSDPModule, FullyShardedDataParallel)
@@ -319,7 +291,7 @@ def _wrapped(module: nn.Module) -> str | None:
                 "the parameters that existed when it wrapped; create the entries before wrapping"
             )
     for name, param in module.named_parameters():
-        if isinstance(param, DTensor):
+        if _is_dtensor(param):
             return (
                 f"parameter {name} is a DTensor: the model is already sharded; create the "
                 "entries before fully_shard"

@@ -60,7 +60,8 @@ class EntryPlacement:
                 return unknown
             moved = True  # fn needs data, so a tensor on the meta device cannot stay there
         device = outs[0].device if moved else self.device
-        dtype = outs[0].dtype if outs[0].dtype == outs[1].dtype else self.dtype
+        dtypes = {outs[0].dtype, outs[1].dtype}
+        dtype = dtypes.pop() if len(dtypes) == 1 else self.dtype
         other = outs[2].dtype if outs[2].dtype != _PROBE_DTYPES[2] else self.other_dtype
         return EntryPlacement(device, dtype, other)
 

@@ -15,78 +15,31 @@ from toolkit.nn._entry_placement import UNMOVED, EntryPlacement
 __all__ = ["ModuleDefaultDict", "ModuleT"]
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
-_T = TypeVar("_T")
-_MISSING: Any = object()
+T = TypeVar("T")
 
 
 class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
-    """Holds submodules in a dictionary and calls a factory function to supply missing values.
+    """An ``nn.ModuleDict`` that builds a missing entry with a factory, as ``defaultdict`` does.
 
-    It is to ``torch.nn.ModuleDict`` what ``collections.defaultdict`` is to
-    ``dict``: reading a missing key with ``d[key]`` calls ``default_factory()``,
-    registers the result as a submodule under ``key`` and returns it. Per-task heads and
-    per-language adapters are the usual use: the set of keys is open, and each entry must be
-    a registered submodule so that ``parameters()``, ``state_dict()`` and ``.to()`` see it.
-
-    Only ``d[key]`` creates entries. ``in``, ``len``, iteration, ``keys()``, ``values()``,
-    ``items()``, ``get()``, ``pop()`` and ``setdefault()`` never call the factory. With
-    ``default_factory=None`` it is a drop-in ``torch.nn.ModuleDict``: the same entries, order
-    and errors, with ``get()``, ``setdefault()`` and ``pop(key, default)`` added and
-    ``update()`` made all or nothing. It also scripts with ``torch.jit.script`` as
-    ``torch.nn.ModuleDict`` does.
-
-    A new entry follows the dict, as if it had been there all along: it is moved to the
-    device and its floating point tensors are cast to the dtype that the dict was last moved
-    or cast to (by ``.to()``, ``.cuda()``, ``.half()``, ``.bfloat16()``, ``to_empty()`` and
-    the like, called on the dict or on a module above it), and it takes the dict's training
-    mode. Tensors that are not floating point keep their dtype, as ``nn.Module.to`` does. A
-    dict that was never moved or cast leaves the factory's result where the factory put it.
-    Only the net effect of the moves is kept: after ``to("meta")`` new entries are on the
-    meta device, and after ``to_empty(device=...)`` they are built by the factory and moved
-    there with the factory's initial values. The dict learns that effect by converting a
-    one-element probe tensor, and a conversion that ``torch.nn.ModuleDict`` survives never
-    fails on the probe: an empty dict moved to meta and back to the CPU creates its entries on
-    the CPU, and after a conversion that fails on the probe (``_apply`` of a function that
-    works only on the entries' shapes, say) a miss raises ``RuntimeError`` instead of
-    guessing.
-
-    A missing key is checked before the factory runs: it must be a non-empty ``str`` without
-    ``"."`` that is not already an attribute of the dict (such as ``"training"`` or
-    ``"forward"``). The factory must return a ``torch.nn.Module``. When a check fails
-    the call raises and the dict is left exactly as it was.
-
-    Loading a state dict creates the entries it names through the factory before their
-    tensors are loaded (after the dict's own load pre-hooks, which may rename keys), so
-    ``fresh.load_state_dict(trained.state_dict(), strict=True)`` restores a checkpoint into
-    a newly built model. Like ``load_state_dict`` itself, a load that fails part way (a
-    shape mismatch, say) is not rolled back: the entries it created stay. Wrappers such as
-    DDP or FSDP only manage the parameters that exist when they wrap, so create entries (or
-    restore the checkpoint) before wrapping: see
-    [`create_entries`][toolkit.nn.create_entries] and
-    [`sync_entries`][toolkit.nn.sync_entries].
-
-    Inside ``torch.compile``, reading an existing key compiles to a plain lookup. A miss
-    mutates the module tree, which a compiled graph cannot do: with ``fullgraph=True`` it
-    raises, and otherwise it falls back to eager execution for that call. Create entries
-    before compiling.
-
-    ``copy.deepcopy`` keeps the factory. ``pickle`` and ``torch.save`` need a picklable
-    factory, such as a class or ``functools.partial(nn.Linear, 4, 4)``; a ``lambda`` or a
-    local function cannot be pickled.
+    ``d[key]`` on a missing key calls ``default_factory()``, registers the result under
+    ``key`` and returns it; nothing else (``in``, ``get``, ``pop``, iteration) calls the
+    factory. A new entry takes the device, dtype and training mode the dict was last given,
+    and ``load_state_dict`` creates the entries a checkpoint names before loading them. With
+    ``default_factory=None`` it is a drop-in ``nn.ModuleDict``. The
+    [per-task heads guide][per-task-heads-with-moduledefaultdict] shows it in a model, and
+    what it guarantees under moves, loads, ``torch.compile`` and pickling.
 
     Args:
-        default_factory: A no argument constructor for missing Module items. If None,
-            missing items will raise a KeyError.
-        *args: At most one initial mapping from names to modules, or iterable of
-            ``(name, module)`` pairs, as ``torch.nn.ModuleDict`` and
-            ``collections.defaultdict`` take. Its order is kept. None is no entries.
-        **kwargs: Initial dictionary values, inserted after those of ``*args``.
+        default_factory: A callable without arguments that returns a new Module, such as
+            ``functools.partial(nn.Linear, 8, 2)``; None makes a missing key a KeyError.
+        modules: Optional, positional: the initial entries, a mapping of names to modules
+            or an iterable of ``(name, module)`` pairs, kept in order.
+        **kwargs: Initial entries, after those of ``modules``.
 
     Raises:
-        TypeError: If ``default_factory`` is neither callable nor None, or is a mapping or
-            a ``torch.nn.ModuleDict`` (the initial entries go second:
-            ``ModuleDefaultDict(None, mapping)``), if more than one positional mapping is
-            given, or if an initial value is not a Module.
+        TypeError: If ``default_factory`` is neither callable nor None, or is a mapping
+            (initial entries go second: ``ModuleDefaultDict(None, mapping)``), or an
+            initial value is not a Module.
 
     Added in version v3.58.0.
 
@@ -95,13 +48,10 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         >>> from torch import nn
         >>> from toolkit.nn import ModuleDefaultDict
         >>> heads = ModuleDefaultDict(functools.partial(nn.Linear, 8, 2))
-        >>> head = heads["sentiment"]
-        >>> heads["sentiment"] is head
+        >>> heads["sentiment"] is heads["sentiment"]
         True
-        >>> list(heads)
-        ['sentiment']
-        >>> "topic" in heads
-        False
+        >>> list(heads), "topic" in heads
+        (['sentiment'], False)
     """
 
     # TorchScript compiles properties unless told not to, and cannot type the factory; like
@@ -117,21 +67,36 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         def values(self) -> ValuesView[ModuleT]: ...
         def items(self) -> ItemsView[str, ModuleT]: ...
 
+    @overload
+    def __init__(
+        self, default_factory: Callable[[], ModuleT] | None = None, **kwargs: ModuleT
+    ) -> None: ...
+    @overload
     def __init__(
         self,
+        default_factory: Callable[[], ModuleT] | None,
+        modules: Mapping[str, ModuleT] | Iterable[tuple[str, ModuleT]] | None,
+        /,
+        **kwargs: ModuleT,
+    ) -> None: ...
+
+    # mypy's objection: a key "default_factory" among the second form's keywords would clash
+    # with the first argument. Python raises TypeError for that call, as it should.
+    def __init__(  # type: ignore[misc]
+        self,
         default_factory: Callable[[], ModuleT] | None = None,
-        *args: Mapping[str, ModuleT] | Iterable[tuple[str, ModuleT]] | None,
+        *modules: Mapping[str, ModuleT] | Iterable[tuple[str, ModuleT]] | None,
         **kwargs: ModuleT,
     ) -> None:
-        if len(args) > 1:
+        if len(modules) > 1:
             raise TypeError(
                 f"ModuleDefaultDict expected at most 2 positional arguments "
-                f"(default_factory and one initial mapping), got {1 + len(args)}"
+                f"(default_factory and one initial mapping), got {1 + len(modules)}"
             )
         _check_factory(default_factory)
         super().__init__()
         self.__dict__["_default_factory"] = default_factory
-        for initial in (*args, kwargs):
+        for initial in (*modules, kwargs):
             if initial is not None:
                 nn.ModuleDict.update(self, initial)  # type: ignore[arg-type]
 
@@ -227,7 +192,7 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
     @overload
     def get(self, key: str, default: None = None) -> ModuleT | None: ...
     @overload
-    def get(self, key: str, default: _T) -> ModuleT | _T: ...
+    def get(self, key: str, default: T) -> ModuleT | T: ...
 
     def get(self, key: str, default: object = None) -> object:
         """Return the module for ``key`` if present, else ``default``, as ``dict.get`` does.
@@ -236,19 +201,19 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
 
         Args:
             key: The name of the module to look up.
-            default: What to return when ``key`` is missing.
+            default (T | None): What to return when ``key`` is missing.
 
         Returns:
-            The module stored under ``key``, or ``default``.
+            (ModuleT | T | None): The module stored under ``key``, or ``default``.
         """
         return self._modules.get(key, default)
 
     @overload
     def pop(self, key: str) -> ModuleT: ...
     @overload
-    def pop(self, key: str, default: ModuleT | _T) -> ModuleT | _T: ...
+    def pop(self, key: str, default: ModuleT | T, /) -> ModuleT | T: ...
 
-    def pop(self, key: str, default: object = _MISSING) -> object:
+    def pop(self, key: str, *default: object) -> object:
         """Remove ``key`` and return its module, or ``default`` if given, as ``dict.pop`` does.
 
         Unlike ``d[key]``, it never calls the factory. Without ``default`` it is
@@ -256,18 +221,16 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
 
         Args:
             key: The name of the module to remove.
-            default: What to return when ``key`` is missing.
+            *default (ModuleT | T): What to return when ``key`` is missing, if given.
 
         Returns:
-            The removed module, or ``default``.
+            (ModuleT | T): The removed module, or ``default``.
 
         Raises:
             KeyError: If ``key`` is missing and no ``default`` is given; ``args`` is
                 ``(key,)``.
         """
-        if default is _MISSING:
-            return self._modules.pop(key)
-        return self._modules.pop(key, default)
+        return self._modules.pop(key, *default)
 
     def setdefault(self, key: str, default: ModuleT) -> ModuleT:
         """Return the module for ``key``, first inserting ``default`` if missing, as ``dict`` does.
@@ -332,25 +295,6 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         self._entry_placement = placement
         return self
 
-    def _create_entries(self, keys: Iterable[str], prefix: str) -> list[str]:
-        """Create the missing entries that ``keys``, state-dict keys under ``prefix``, name.
-
-        This is the one place where entries are created from state-dict keys: loading and
-        [`create_entries`][toolkit.nn.create_entries] both call it. Names that cannot be entries are
-        left alone; a load reports their keys as unexpected.
-
-        Returns:
-            The names of the entries created, in key order.
-        """
-        if self.default_factory is None:
-            return []
-        created = []
-        for name in _child_names(keys, prefix):
-            if name not in self._modules and _is_valid_new_key(self, name):
-                self.__missing__(name)
-                created.append(name)
-        return created
-
     def _check_new_key(self, key: object) -> None:
         if not isinstance(key, str):
             raise TypeError(
@@ -402,7 +346,30 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
 def _create_loaded_entries(
     module: ModuleDefaultDict[Any], state_dict: Mapping[str, Any], prefix: str, *_: object
 ) -> None:
-    module._create_entries(state_dict, prefix)
+    create_from_keys(module, state_dict, prefix)
+
+
+def create_from_keys(mdd: ModuleDefaultDict[Any], keys: Iterable[str], prefix: str) -> list[str]:
+    """Create the missing entries of ``mdd`` that ``keys``, state-dict keys under ``prefix``, name.
+
+    This is the one place where entries are created from state-dict keys: loading and
+    ``create_entries`` both call it. Names that cannot be entries are left alone; a load
+    reports their keys as unexpected.
+
+    Returns:
+        The names of the entries created, in key order.
+    """
+    if mdd.default_factory is None:
+        return []
+    created = []
+    for key in keys:
+        # The first name after the prefix, if the key has a further part, names an entry; an
+        # existing entry is not a valid new key, so each is created once.
+        head, dot, _ = key[len(prefix) :].partition(".")
+        if key.startswith(prefix) and dot and is_valid_new_key(mdd, head):
+            mdd.__missing__(head)
+            created.append(head)
+    return created
 
 
 def _check_factory(factory: object) -> None:
@@ -451,18 +418,7 @@ def _required_arguments(factory: object) -> list[str]:
     return [p.name for p in parameters if p.default is p.empty and p.kind not in variadic]
 
 
-def _child_names(keys: Iterable[str], prefix: str) -> dict[str, None]:
-    """The first name after ``prefix`` in each key that has a further part, in key order."""
-    names: dict[str, None] = {}
-    for key in keys:
-        if key.startswith(prefix):
-            head, dot, _ = key[len(prefix) :].partition(".")
-            if dot:
-                names[head] = None
-    return names
-
-
-def _is_valid_new_key(mdd: ModuleDefaultDict[Any], key: str) -> bool:
+def is_valid_new_key(mdd: ModuleDefaultDict[Any], key: str) -> bool:
     try:
         mdd._check_new_key(key)
     except KeyError:

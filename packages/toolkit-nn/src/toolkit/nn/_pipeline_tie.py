@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.nn._clip_grad import _by_layout, _check_finite, _clip_with_norm, _total_norm
+from toolkit.nn._clip_grad import by_layout, check_finite, clip_with_norm, total_norm
+from toolkit.nn._common import _describe, _is_dtensor
 from toolkit.nn._tied_linear import TiedLinear
-from toolkit.nn._tied_linear_diagnosis import _describe, _is_dtensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -25,72 +25,32 @@ __all__ = ["PipelineTie", "pipeline_clip_grad_norm_"]
 class PipelineTie:
     """The copies of a TiedLinear's tied module on several pipeline stages, kept equal.
 
-    A tied language model needs its embedding on the first pipeline stage, for the lookup,
-    and on the last, for the head. Splitting the model the usual way (a deep copy per stage,
-    with the modules of other stages removed) gives each of those stages its own registered
-    copy of the embedding under the same qualified name as in the whole model, and the deep
-    copy re-ties the last stage's TiedLinear to that stage's copy. PipelineTie keeps those
-    copies one weight:
-
-    * At set-up it refuses a stage whose TiedLinear reads a module that is not registered
-      in that stage (such a weight would be in neither ``parameters()`` nor
-      ``state_dict()``: never trained, synchronised or saved), and makes the copies equal
-      by broadcasting the first one (``broadcast()``).
-    * ``reduce_grads()``, called after the pipeline schedule's ``step`` and before
-      clipping and the optimizer step, sums the copies' gradients, so that every copy holds
-      the gradient of the single-process model and takes the same update: one
-      ``all_reduce`` per step for all the tied weights, none when one rank holds every copy
-      (looped and V-shaped schedules put several stages on one rank). A tied weight that no
-      copy has a gradient for (frozen, or unused this step) keeps ``None``.
-    * ``check()`` verifies the copies agree and names the first difference.
-
-    The sum comes after the data-parallel reduction, which the schedule's ``step`` already
-    ran: DDP all-reduces (averages) each copy's gradient within its own replica group and
-    FSDP2 reduce-scatters it. Summing averaged gradients over the stages is the average of
-    the sums, so the order does not change the result under DDP. Under FSDP2 each copy's
-    gradient is a DTensor sharded over the same data-parallel mesh with the same shape, so
-    the local shard on the first stage and the one on the last stage cover the same rows,
-    and their sum is the right shard. (Megatron-LM#844 went wrong exactly here: its
-    reduce-scatter split one flat buffer per stage, so the two copies' shards covered
-    different parts of the weight.)
-
-    The copy used as the source of ``broadcast()`` and counted by
-    ``pipeline_clip_grad_norm_`` is the first copy of the first group rank that holds one:
-    list the ranks of ``group`` in stage order so that it is the first stage's. The group
-    may be the whole pipeline, ranks without a copy included: those take part in each
-    collective with nothing to add, so every rank runs the same training loop. A tie whose
-    copies one rank holds alone, such as a head tied to an embedding of its own stage,
-    needs no communication. Only the module's ``weight``
-    is tied, as TiedLinear reads only the weight, so a tied module with other parameters is
-    refused: their copies would differ and a checkpoint would keep one of them.
-
-    A DCP checkpoint stores the tied weight once: every copy has the same qualified name, and
-    DCP keeps one of the identical entries that several ranks write. Loading it restores
-    every copy. After any other load (``load_state_dict``, re-initialisation), call
-    ``broadcast()`` again.
+    Split by deep copies, a tied language model holds its embedding on the first stage and on
+    the last, each copy under the model's qualified name. PipelineTie makes them one weight:
+    it broadcasts the first copy at set-up (``broadcast()``), sums the copies' gradients
+    after the schedule's ``step`` (``reduce_grads()``, one ``all_reduce`` per step), and
+    ``check()`` names the first difference. Every rank of ``group`` constructs it and calls
+    its methods; ranks without a copy take part with nothing to add. The
+    [pipeline parallelism guide][pipeline-parallelism-with-a-tied-head] shows the training
+    loop, checkpoints, data parallelism and the schedules covered.
 
     Args:
         stages: This rank's stage modules (one, or several for looped and V-shaped
-            schedules): the modules passed to ``PipelineStage``, possibly wrapped by DDP or
-            ``fully_shard``. The names of the tied modules are found from the TiedLinear
-            attributes of any of the stages in ``group``.
-        group: The process group of the pipeline's ranks in stage order, or of only those
-            holding copies, or a 1-D DeviceMesh of them such as ``mesh["pp"]``. The default
-            is the default process group. Every rank of the group must construct the
-            PipelineTie and call its methods.
+            schedules), as passed to ``PipelineStage``, possibly wrapped by DDP or
+            ``fully_shard``.
+        group: The pipeline's ranks in stage order (the first copy is the source), or only
+            those holding copies: a process group or a 1-D DeviceMesh such as
+            ``mesh["pp"]``. Default: the default process group.
 
     Raises:
-        ValueError: If a stage's TiedLinear reads a module not registered in that stage, if
-            no TiedLinear is found on any rank, if the copies' weights differ in shape, if
-            two stages of one rank share one tied weight object (not deep copies), or if
-            a tied module has parameters other than its weight. Every rank of the group
-            raises the same error.
+        ValueError: On every rank, if a stage's TiedLinear reads a module not registered in
+            that stage, no TiedLinear is found, the copies differ in shape, two stages of a
+            rank share one weight object, or a tied module has parameters besides its weight.
 
     Added in version v3.58.0.
 
     Examples:
-        On every rank of a two-stage pipeline, where ``stage`` is the rank's deep copy of
-        the whole model (see the pipeline-parallel guide for the whole script):
+        On every rank of a two-stage pipeline, ``stage`` its deep copy of the model:
 
         >>> from toolkit.nn import PipelineTie
         >>> tie = PipelineTie(stage)  # doctest: +SKIP
@@ -376,11 +336,9 @@ def pipeline_clip_grad_norm_(
     """Clip the gradients of a pipeline's stages by their total norm, counting a tie once.
 
     The total norm is the one ``torch.nn.utils.clip_grad_norm_`` gives for the whole model
-    in one process: each rank takes the norm of its stages' gradients, as
-    ``toolkit.nn.clip_grad_norm_`` does (DTensors on any meshes), leaving out the
-    duplicate copies of ``tie`` (``PipelineTie.duplicates()``), and the ranks of the
-    pipeline combine theirs in float64, whatever the dtype of each rank's gradients. Call
-    it after ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
+    in one process: each rank takes its stages' norm as ``toolkit.nn.clip_grad_norm_`` does,
+    without ``tie``'s duplicate copies, and the ranks combine theirs in float64. Call it
+    after ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
 
     Args:
         parameters: This rank's parameters, of every stage it holds: a tensor or an
@@ -406,11 +364,18 @@ def pipeline_clip_grad_norm_(
             every rank of the pipeline; no gradient is changed.
 
     Added in version v3.58.0.
+
+    Examples:
+        On every rank of the pipeline, after the tie's reduction:
+
+        >>> from toolkit.nn import pipeline_clip_grad_norm_
+        >>> tie.reduce_grads()  # doctest: +SKIP
+        >>> norm = pipeline_clip_grad_norm_(stage.parameters(), 1.0, tie=tie)  # doctest: +SKIP
     """
     pipeline = _pipeline_group(group, tie)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     skipped = {id(p) for p in tie.duplicates()} if tie is not None else set()
-    local = _total_norm(_by_layout(p for p in params if id(p) not in skipped), norm_type, foreach)
+    local = total_norm(by_layout(p for p in params if id(p) not in skipped), norm_type, foreach)
     # float64 on every rank, whatever each rank's gradients are: the ranks must agree on it.
     total = local.to(torch.float64)
     if dist.get_world_size(pipeline) == 1:
@@ -427,8 +392,8 @@ def pipeline_clip_grad_norm_(
         dist.all_reduce(total, group=pipeline)
         total.pow_(1.0 / norm_type)
     total = total.to(torch.promote_types(local.dtype, torch.float32))
-    _check_finite(total, norm_type, error_if_nonfinite)
-    _clip_with_norm(_by_layout(params), max_norm, total, foreach)
+    check_finite(total, norm_type, error_if_nonfinite)
+    clip_with_norm(by_layout(params), max_norm, total, foreach)
     return total
 
 
@@ -613,7 +578,6 @@ def _like(weight: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
             local,
             weight.device_mesh,  # type: ignore[attr-defined]
             weight.placements,  # type: ignore[attr-defined]
-            run_check=False,
             shape=weight.shape,
             stride=weight.stride(),
         )

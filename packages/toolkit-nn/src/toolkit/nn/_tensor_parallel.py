@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from toolkit.nn._tied_linear import _Linear
+from toolkit.nn._common import _Linear
 
 __all__ = ["TiedLinearParallel"]
 
@@ -18,65 +18,39 @@ __all__ = ["TiedLinearParallel"]
 class TiedLinearParallel(ParallelStyle):
     """A ``parallelize_module`` style that runs a TiedLinear head on a vocabulary-sharded weight.
 
-    ``RowwiseParallel`` on an ``nn.Embedding`` shards its weight on the vocabulary
-    (``Shard(0)``), which is exactly the sharding a vocabulary-parallel head needs: each rank
-    multiplies a replicated input by its own rows of the weight and gets its own slice of the
-    logits, sharded on the last dimension (``Shard(-1)``), without any communication.
-    torch's ``ColwiseParallel`` cannot be used for the head, because it accepts only
-    ``nn.Linear`` and ``nn.Embedding`` and would shard a weight of its own; TiedLinear owns
-    no weight, it reads the tied module's live. This style shards nothing: it prepares the
-    head's input and output around that live read, with the argument names of torch's
-    styles.
-
-    Apply it to the head's ``linear`` module, the Module that TiedLinear calls:
-    ``parallelize_module(model.head.linear, tp_mesh, TiedLinearParallel())``. TiedLinear is
-    not an ``nn.Module``, so a ``parallelize_module`` plan on the whole model cannot reach it
-    by name; apply the style to ``head.linear`` in its own call.
-
-    The input is annotated with ``input_layouts`` and redistributed to ``Replicate()``, the
-    layout the head computes in: with sequence parallelism (``input_layouts=Shard(1)``) that
-    is one all-gather of the head's input, without it nothing. The logits are redistributed
-    to ``output_layouts``: left as ``Shard(-1)`` they cost nothing and are what
-    ``torch.distributed.tensor.parallel.loss_parallel()`` expects; ``Replicate()`` gathers
-    the full vocabulary on every rank.
-
-    A weight sharded some other way, such as ``ColwiseParallel`` on the embedding
-    (``Shard(1)``), still gives correct logits, because DTensor redistributes as needed, but
-    the head then reduces the full logits across ranks instead of computing its slice alone.
+    Apply it to the head's ``linear`` module once the tied embedding is sharded on the
+    vocabulary (``RowwiseParallel``): it shards nothing, and prepares the head's input and
+    logits around the live read of the tied weight. The input is redistributed to
+    ``Replicate()`` and the logits to ``output_layouts``. The
+    [tensor parallelism guide][tensor-parallelism-with-a-tied-head] has the recipe, sequence
+    parallelism, the chunked loss and what each layout costs.
 
     Args:
-        input_layouts: The layout of the head's input when it is a plain tensor: this rank's
-            part of a DTensor with these placements on the mesh. Default: ``Replicate()``.
-            A DTensor input keeps its own placements.
-        output_layouts: The layout the logits are redistributed to. Default: ``Shard(-1)``,
-            the vocabulary-sharded logits ``loss_parallel()`` takes.
-        use_local_output: Whether to return this rank's local tensor instead of the DTensor.
-            Default: False, unlike torch's ``ColwiseParallel``: a loss computed on this
-            rank's slice of the vocabulary would be silently wrong, whereas a DTensor
-            either works under ``loss_parallel()`` or raises. Set it to True with
-            ``output_layouts=Replicate()`` for plain full logits. With logits sharded on
-            the vocabulary it is refused.
+        input_layouts: The layout of a plain-tensor input on the mesh (a DTensor input
+            keeps its own). Default: ``Replicate()``.
+        output_layouts: The layout of the logits. Default: ``Shard(-1)``, the
+            vocabulary-sharded logits that ``loss_parallel()`` takes.
+        use_local_output: Return this rank's local tensor instead of the DTensor. Default:
+            False; refused for logits sharded on the vocabulary, whose local loss is wrong.
 
     Raises:
         TypeError: If applied to anything but a TiedLinear's ``linear`` module.
-        ValueError: If ``use_local_output`` is True and the logits are sharded on the
-            vocabulary, their last dimension: at construction for ``Shard(-1)``, the
-            default, and at the head's call for a ``Shard`` of the last dimension counted
-            from the front.
-        RuntimeError: At the head's call, if the tied module's weight is not a DTensor: the
-            tied module was not parallelised on the mesh.
+        ValueError: If ``use_local_output`` is True for logits sharded on their last
+            dimension: at construction for ``Shard(-1)``, at the call otherwise.
+        RuntimeError: At the call, if the tied module's weight is not a DTensor.
 
     Added in version v3.58.0.
 
     Examples:
-        A sketch of the recipe on a tensor-parallel mesh (see the tensor parallelism guide
-        for the full, tested version)::
+        A sketch on a tensor-parallel mesh; the guide has the full, tested version:
 
-            parallelize_module(model, tp_mesh, {"emb": RowwiseParallel(input_layouts=Replicate())})
-            parallelize_module(model.head.linear, tp_mesh, TiedLinearParallel())
-            with loss_parallel():
-                loss = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
-                loss.backward()
+        ```python
+        parallelize_module(model, tp_mesh, {"emb": RowwiseParallel(input_layouts=Replicate())})
+        parallelize_module(model.head.linear, tp_mesh, TiedLinearParallel())
+        with loss_parallel():
+            loss = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+            loss.backward()
+        ```
     """
 
     def __init__(
@@ -113,7 +87,7 @@ class TiedLinearParallel(ParallelStyle):
                 "remove TiedLinearParallel from head.linear."
             )
         if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False)  # type: ignore[arg-type]
+            x = DTensor.from_local(x, device_mesh, input_layouts)  # type: ignore[arg-type]
         if x.placements != desired_input_layouts:
             x = x.redistribute(placements=desired_input_layouts, async_op=True)
         return (x, weight)
@@ -159,6 +133,10 @@ class TiedLinearParallel(ParallelStyle):
             f"{type(self).__name__}(input_layouts={self.input_layouts}, "
             f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})"
         )
+
+
+# Where users find it, as every public name of the package (see __init__.py).
+TiedLinearParallel.__module__ = "toolkit.nn"
 
 
 def _local_vocabulary(layout: Shard) -> str:

@@ -3,74 +3,43 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from toolkit.nn._common import _describe, _is_dtensor, _Linear
 from toolkit.nn._cross_entropy import VocabShard, linear_cross_entropy
 from toolkit.nn._tied_linear_diagnosis import (
-    _describe,
-    _dtensor_cross_entropy_error,
-    _explain_failure,
-    _is_dtensor,
-    _resharded_by_fsdp,
+    dtensor_cross_entropy_error,
+    explain_failure,
+    resharded_by_fsdp,
 )
 
 __all__ = ["TiedLinear"]
 
 
-class _Linear(nn.Module):
-    """The module that performs ``F.linear(x, weight)``, so that hooks can observe it."""
-
-    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, weight)
-
-
 class TiedLinear:
     """A bias-free linear layer whose weight is shared with another module, read live on every call.
 
-    TiedLinear does not copy or cache ``tied_module``'s weight; it reads
-    ``tied_module.weight`` on every call. This keeps the two layers tied even if
-    ``tied_module`` is later re-wrapped by something like FSDP, which replaces the memory
-    backing a weight but not the Module object that owns it. The same live read honours a
-    new Parameter assigned to ``tied_module``, ``to_empty`` after meta-device init,
-    ``load_state_dict(assign=True)``, ``.to()``, parametrizations and
-    ``torch.func.functional_call``. Under FSDP2 the weight must be unsharded when TiedLinear
-    reads it: if ``tied_module`` is its own ``fully_shard`` unit that reshards after its
-    forward, the call raises a RuntimeError naming the module and the ways to regroup it.
-    Under tensor parallelism the same live read takes the tied module's vocabulary-sharded
-    weight; ``TiedLinearParallel`` prepares the head's input and logits around it.
-
-    TiedLinear intentionally does not subclass ``torch.nn.Module``.
-    ``Module.__setattr__`` auto-registers any Module-valued attribute as a submodule, which
-    would cause ``tied_module`` to be registered twice (once under its original owner, once
-    under TiedLinear), duplicating its weight in ``state_dict()`` and ``parameters()``. The
-    actual ``torch.nn.functional.linear`` call is performed by the ``linear`` attribute,
-    a real Module, so forward hooks can still be attached to observe the transform: its
-    forward takes ``(x, weight)``.
-
-    The weight is checked when TiedLinear is built and again on every call, so a weight
-    assigned to ``tied_module`` later that is not a 2-D tensor raises instead of giving a
-    wrongly shaped output.
-
-    Because the weight is owned by ``tied_module`` alone, a model's state dict has one key
-    for it and no shared storage, so ``safetensors.torch.save_file`` works, and
-    ``copy.deepcopy`` or ``pickle`` of the model re-ties the copy to the copied module.
+    ``head(x)`` is ``F.linear(x, tied_module.weight)``, the weight read on every call, so the
+    tie survives what replaces the weight: a new Parameter, ``.to()``, ``to_empty()`` after
+    meta-device init, ``load_state_dict(assign=True)``, FSDP2 re-sharding. TiedLinear is not
+    an ``nn.Module`` (a Module attribute would register ``tied_module`` twice): the model's
+    state dict holds the weight once, under ``tied_module``. Forward hooks go on ``linear``,
+    the Module that computes the product. Under FSDP2 the weight must be unsharded when
+    read. The [tied LM heads guide][tied-lm-heads-with-tiedlinear] shows a whole model, and
+    the [sharded training guide][supported-placements] the FSDP2 layouts.
 
     Args:
-        tied_module: The module whose ``weight`` attribute is shared. Only the weight is
-            used; any bias on ``tied_module`` is ignored.
+        tied_module: The module whose ``weight`` is shared, such as the token embedding. A
+            bias on it is ignored.
 
     Raises:
-        AttributeError: If ``tied_module`` does not have a ``weight`` attribute. Whatever
-            ``tied_module`` is, a tensor passed in place of its module included, this is the
-            error, as it is in torchtune's ``TiedLinear``.
-        TypeError: If ``tied_module`` has a ``weight`` but is not a Module, or its
-            ``weight`` is not a tensor.
-        ValueError: If ``tied_module.weight`` is not 2-D. An uninitialized lazy parameter is
-            accepted; its shape is checked when it is used.
+        AttributeError: If ``tied_module`` has no ``weight`` (a tensor passed instead of its
+            module included), as in torchtune's ``TiedLinear``, which this replaces.
+        TypeError: If ``tied_module`` is not a Module, or its ``weight`` is not a tensor.
+        ValueError: If ``tied_module.weight`` is not 2-D (a lazy weight is checked when
+            used).
 
-    Added in version v3.58.0. Native replacement for torchtune's ``TiedLinear``, removing the
-    ``torchtune`` dependency.
+    Added in version v3.58.0.
 
     Examples:
         >>> import torch
@@ -147,7 +116,7 @@ class TiedLinear:
             return self.linear(x, weight)  # type: ignore[no-any-return]
         except RuntimeError as error:
             # Diagnose only once the call has failed, so the normal path pays nothing.
-            explained = _explain_failure(self, x, weight)
+            explained = explain_failure(self.tied_module, x, weight)
             if explained is None:
                 raise
             raise explained from error
@@ -231,50 +200,20 @@ class TiedLinear:
     ) -> torch.Tensor:
         """The cross-entropy of ``self(x)`` against ``target``, without the full logits.
 
-        Equal to ``F.cross_entropy(self(x), target, ...)`` over the flattened tokens, with
-        the logits widened to float32 from bfloat16 and float16, and its gradients, but
-        computed a chunk of tokens at a time in two reused buffers (the logits and their
-        softmax): at most one chunk's logits exist at once, so a long sequence over a large
-        vocabulary needs a fraction of the plain path's memory, in the same matrix
-        products. For a mean or a sum the gradients of ``x`` and of the tied weight are
-        computed in the forward pass and only scaled by backward, in float32, so a float16
-        loss scale is applied before anything is rounded to float16. For
-        ``reduction="none"``, and for a backward that builds a graph
-        (``create_graph=True``, ``torch.func.grad``, ``jacrev``), backward recomputes the
-        chunks; second-order gradients are the plain path's. ``torch.func.vmap`` takes one
-        loss per entry; forward-mode AD is not supported. With no gradient needed, only
-        the loss is computed.
-
-        The weight is read live, as by ``__call__``, and its gradient flows to
-        ``tied_module``, so a tied embedding receives the sum of the lookup and head
-        gradients. Hooks on ``linear`` are not called: the logits never exist. The
-        products run in the dtype ``self(x)`` runs them in, under autocast too, and
-        accumulate in float32 for bfloat16 and float16; the loss is float32 for them and
-        has the products' dtype otherwise. It compiles with ``torch.compile(fullgraph=True)``,
-        where an out-of-range target fails as an asynchronous assertion (RuntimeError).
-
-        Under FSDP2 the weight must be unsharded when this runs: call it inside the
-        forward of the unit that holds ``tied_module`` (such as the root), or register
-        the method that calls it with
-        ``torch.distributed.fsdp.register_fsdp_forward_method``. Under tensor parallelism,
-        with the weight sharded on the vocabulary (``Shard(0)`` on a 1-D mesh, as
-        ``RowwiseParallel`` shards an embedding), each rank takes the logits of its own
-        rows and the ranks exchange only per-token statistics and x's gradient; ``x`` must
-        be the whole input on every rank (a DTensor is gathered first).
+        ``F.cross_entropy(self(x), target, ...)`` over the flattened tokens, and its
+        gradients, computed a chunk of tokens at a time (16-bit logits widened to float32);
+        hooks on ``linear`` are not called. The [tied LM heads guide][tied-lm-heads-with-tiedlinear]
+        covers dtypes, autograd, ``torch.compile``, FSDP2 and tensor parallelism.
 
         Args:
             x: Input of shape (..., in_features).
             target: Class indices of an integer dtype, with ``x``'s leading shape.
             ignore_index: Target value that is not counted, as in ``F.cross_entropy``.
-            reduction: ``"mean"`` over the counted tokens (nan when none is counted, as
-                in ``F.cross_entropy``), ``"sum"``, or ``"none"``: each token's loss, in
-                ``target``'s shape, 0 where ignored.
-            label_smoothing: Amount of smoothing in [0.0, 1.0], as in
-                ``F.cross_entropy``.
-            z_loss: Adds ``z_loss * logsumexp(logits) ** 2`` per counted token, reduced
-                as the loss is (PaLM's z-loss); 0.0 for none.
-            softcap: Replaces the logits with ``softcap * tanh(logits / softcap)`` before
-                the softmax and the z-loss (Gemma 2's soft-cap); None for none.
+            reduction: ``"mean"`` over the counted tokens, ``"sum"``, or ``"none"`` (per
+                token, 0 where ignored).
+            label_smoothing: As in ``F.cross_entropy``.
+            z_loss: Adds ``z_loss * logsumexp(logits) ** 2`` per counted token (PaLM).
+            softcap: Logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
             chunk_size: Tokens per chunk, or None to bound each chunk's logits to
                 64 MiB (at least 16 tokens); smaller chunks use less memory.
 
@@ -282,18 +221,11 @@ class TiedLinear:
             The loss: a scalar, or per token for ``reduction="none"``.
 
         Raises:
-            ValueError: If ``reduction``, ``label_smoothing``, ``z_loss``, ``softcap`` or
-                ``chunk_size`` is invalid, or the shapes of ``x``, ``target`` and the
-                weight disagree.
-            TypeError: If ``target`` is not an integer tensor, or ``x`` is not a
-                floating-point tensor of the weight's dtype (outside autocast).
-            IndexError: If a counted target is outside ``[0, out_features)`` (eagerly on
-                the CPU; elsewhere the check is asynchronous, as ``F.cross_entropy``'s).
-            RuntimeError: If the weight is a DTensor that FSDP2 resharded, or that is
-                sharded other than on the vocabulary of a 1-D mesh, or under forward-mode
-                AD (``torch.func.jvp``); the message names the fix.
-
-        Added in version v3.58.0.
+            ValueError: If an argument is invalid or the shapes disagree.
+            TypeError: If ``target`` is not integer, or ``x`` not of the weight's dtype.
+            IndexError: If a counted target is outside ``[0, out_features)`` (on the CPU).
+            RuntimeError: If the weight is a DTensor it cannot take, or under forward-mode AD
+                (``torch.func.jvp``); the message says why and what to use.
 
         Examples:
             >>> import torch
@@ -305,17 +237,13 @@ class TiedLinear:
             >>> loss = head.cross_entropy(x, target, chunk_size=3)
             >>> torch.allclose(loss, F.cross_entropy(head(x), target))
             True
-            >>> capped = 30.0 * torch.tanh(head(x) / 30.0)
-            >>> per_token = head.cross_entropy(x, target, reduction="none", softcap=30.0)
-            >>> torch.allclose(per_token, F.cross_entropy(capped, target, reduction="none"))
-            True
         """
         weight: torch.Tensor = self.tied_module.weight  # type: ignore[assignment]
         shard = None
         if _is_dtensor(weight):
             shard = _vocab_shard(weight)
-            if shard is None or _resharded_by_fsdp(self.tied_module, weight):
-                raise _dtensor_cross_entropy_error(self, weight)
+            if shard is None or resharded_by_fsdp(self.tied_module, weight):
+                raise dtensor_cross_entropy_error(self.tied_module, weight)
             weight = weight.to_local()  # type: ignore[attr-defined] # a DTensor here
             x = _whole_input(x)
         return linear_cross_entropy(

@@ -6,29 +6,21 @@ is a DTensor), so the normal path pays nothing for it and compiles without a gra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from toolkit.nn._tied_linear import TiedLinear
+from toolkit.nn._common import _describe, _is_dtensor
 
 
-def _describe(module: nn.Module) -> str:
-    """A one-line description of ``module``, such as ``Embedding(17, 8)``."""
-    return f"{type(module).__name__}({module.extra_repr()})"
-
-
-def _explain_failure(tl: TiedLinear, x: object, weight: object) -> Exception | None:
+def explain_failure(tied_module: nn.Module, x: object, weight: object) -> Exception | None:
     """Return a clearer error for a failed call, or None to re-raise the original."""
-    owner = type(tl.tied_module).__name__
+    owner = type(tied_module).__name__
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return None
     if _is_dtensor(weight) and not _is_dtensor(x):
-        if _resharded_by_fsdp(tl.tied_module, weight):
-            return _sharded_weight_error(tl, weight)
-        return _unprepared_input_error(tl, weight)
+        if resharded_by_fsdp(tied_module, weight):
+            return _sharded_weight_error(tied_module, weight)
+        return _unprepared_input_error(tied_module, weight)
     if weight.dim() == 2 and (x.dim() == 0 or x.shape[-1] != weight.shape[1]):
         return RuntimeError(
             f"TiedLinear input has shape {tuple(x.shape)}, but {owner}.weight has shape "
@@ -38,16 +30,7 @@ def _explain_failure(tl: TiedLinear, x: object, weight: object) -> Exception | N
     return None
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor, importing DTensor only where distributed is built in."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only once a call failed
-
-    return isinstance(tensor, DTensor)
-
-
-def _resharded_by_fsdp(tied_module: nn.Module, weight: torch.Tensor) -> bool:
+def resharded_by_fsdp(tied_module: nn.Module, weight: torch.Tensor) -> bool:
     """Whether FSDP2 resharded ``weight``, rather than tensor parallelism sharding it.
 
     Both leave a DTensor with the same placements, so the modules tell them apart.
@@ -62,20 +45,20 @@ def _resharded_by_fsdp(tied_module: nn.Module, weight: torch.Tensor) -> bool:
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 - only once a call failed
 
     managed = isinstance(tied_module, FSDPModule) or getattr(
-        tied_module, "_is_fsdp_managed_module", False
+        tied_module, "_is_fsdp_managed_module", None
     )
     if not managed:
         return False
-    tensor_parallel = getattr(tied_module, "_distribute_module_applied", False)
+    tensor_parallel = getattr(tied_module, "_distribute_module_applied", None)
     return not tensor_parallel or weight.device_mesh.ndim > 1  # type: ignore[attr-defined]
 
 
-def _unprepared_input_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
+def _unprepared_input_error(tied_module: nn.Module, weight: torch.Tensor) -> RuntimeError:
     """The error for a plain input to a head whose weight tensor parallelism has sharded."""
     placements = tuple(weight.placements)  # type: ignore[attr-defined]
     return RuntimeError(
         f"TiedLinear got a plain-tensor input, but the weight of the tied module "
-        f"{_describe(tl.tied_module)} is sharded by tensor parallelism (a DTensor with "
+        f"{_describe(tied_module)} is sharded by tensor parallelism (a DTensor with "
         f"placements {placements}): the head's input must be a DTensor on the same device "
         "mesh. Prepare the head's input by applying toolkit.nn.TiedLinearParallel to the "
         "head's linear module, parallelize_module(head.linear, tp_mesh, "
@@ -85,9 +68,9 @@ def _unprepared_input_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeErro
     )
 
 
-def _sharded_weight_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
+def _sharded_weight_error(tied_module: nn.Module, weight: torch.Tensor) -> RuntimeError:
     """The error for a weight that FSDP2 has sharded again before TiedLinear reads it."""
-    tied = _describe(tl.tied_module)
+    tied = _describe(tied_module)
     placements = weight.placements  # type: ignore[attr-defined] # a DTensor here
     return RuntimeError(
         f"TiedLinear cannot use the weight of the tied module {tied}: that weight is sharded "
@@ -102,9 +85,9 @@ def _sharded_weight_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
     )
 
 
-def _dtensor_cross_entropy_error(tl: TiedLinear, weight: torch.Tensor) -> RuntimeError:
+def dtensor_cross_entropy_error(tied_module: nn.Module, weight: torch.Tensor) -> RuntimeError:
     """The error for ``cross_entropy`` on a DTensor weight it cannot take."""
-    tied = _describe(tl.tied_module)
+    tied = _describe(tied_module)
     placements = weight.placements  # type: ignore[attr-defined] # a DTensor here
     return RuntimeError(
         f"TiedLinear.cross_entropy cannot use the weight of the tied module {tied}: it is a "

@@ -22,7 +22,8 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
     copy of the weight, which a stock model loads), ``resize_token_embeddings()``, meta-device
     init and FSDP2 work as on the stock tied model, and ``head.cross_entropy`` takes the loss
     without the logits. The package does not import transformers; ``model`` is any
-    ``PreTrainedModel`` with input and output embeddings.
+    ``PreTrainedModel`` with input and output embeddings. See the
+    [Hugging Face transformers guide][hugging-face-transformers].
 
     Args:
         model: A transformers ``PreTrainedModel`` whose config ties the word embeddings.
@@ -36,6 +37,8 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
         ValueError: If ``config.tie_word_embeddings`` is False, the model has no output
             embeddings, or its head is not the bias-free, tied Linear a tied model holds.
             Nothing is changed.
+
+    Added in version v3.58.0.
 
     Examples:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -58,7 +61,7 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
         )
     kind = type(model).__name__
     hf: Any = model  # its transformers methods are not typed here
-    if not getattr(hf.config, "tie_word_embeddings", False):
+    if not getattr(hf.config, "tie_word_embeddings", None):
         raise ValueError(
             f"{kind}'s config has tie_word_embeddings=False: its head has weights of its own, "
             "which tying would discard; build the model with tie_word_embeddings=True to tie it"
