@@ -466,3 +466,53 @@ def test_a_build_without_torch_distributed_computes_the_loss(
     target = torch.randint(0, 11, (6,), generator=generator)
     expected = F.cross_entropy(F.linear(x, head.tied_module.weight), target)
     torch.testing.assert_close(head.cross_entropy(x, target), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_no_tokens_give_empty_per_token_losses_and_gradients_of_their_dtype(
+    dtype: torch.dtype,
+) -> None:
+    head = TiedLinear(nn.Embedding(5, 3, dtype=dtype))
+    x = torch.randn(0, 3, dtype=dtype, requires_grad=True)
+    target = torch.empty(0, dtype=torch.long)
+    losses = head.cross_entropy(x, target, reduction="none")
+    expected = F.cross_entropy(head(x).float(), target, reduction="none")
+    # The losses are float32 for bfloat16 and float16, as documented; else the input's dtype.
+    assert (losses.shape, losses.dtype) == (
+        expected.shape,
+        torch.promote_types(dtype, torch.float32),
+    )
+    # A backward that builds a graph recomputes the (zero) chunks.
+    (grad,) = torch.autograd.grad(
+        head.cross_entropy(x, target, reduction="sum"), x, create_graph=True
+    )
+    assert (grad.shape, grad.dtype) == (x.shape, dtype)
+    assert not grad.any()
+
+
+def test_float64_under_autocast_computes_in_float64_as_head_does() -> None:
+    torch.manual_seed(0)
+    head = TiedLinear(nn.Embedding(7, 4, dtype=torch.float64))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    target = torch.randint(0, 7, (5,))
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = head.cross_entropy(x, target)
+        expected = F.cross_entropy(head(x), target)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_input_gradient_does_not_depend_on_a_frozen_weight(reduction: str) -> None:
+    torch.manual_seed(0)
+    embedding = nn.Embedding(11, 6)
+    head = TiedLinear(embedding)
+    x = torch.randn(7, 6)
+    target = torch.randint(0, 11, (7,))
+    grads = []
+    for frozen in (False, True):
+        embedding.weight.requires_grad_(not frozen)
+        x_ = x.clone().requires_grad_(True)
+        (head.cross_entropy(x_, target, reduction=reduction) * 3.0).backward()
+        grads.append(x_.grad)
+    assert torch.equal(grads[0], grads[1])
