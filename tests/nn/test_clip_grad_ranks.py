@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from tests.nn.threads import run_ranks
+from tests.nn.ranks import run_threads
 from toolkit.nn import clip_grad_norm_
 
 INF = float("inf")
@@ -89,7 +89,7 @@ def test_mixed_meshes_clip_as_torch_does_on_the_full_gradients(foreach: bool | N
             norms.append(norm.item())
         return norms
 
-    results = run_ranks(4, rank_main)
+    results = run_threads(4, rank_main)
     assert all(r == results[0] for r in results)
 
 
@@ -106,7 +106,7 @@ def test_a_single_tensor_and_an_empty_list_mean_what_they_mean_to_torch() -> Non
         assert empty.item() == 0.0
         assert empty.dtype == torch.nn.utils.clip_grad_norm_([], 0.1).dtype
 
-    run_ranks(4, rank_main)
+    run_threads(4, rank_main)
 
 
 def test_a_nonfinite_norm_is_refused_on_every_rank_and_nothing_is_scaled() -> None:
@@ -127,6 +127,6 @@ def test_a_nonfinite_norm_is_refused_on_every_rank_and_nothing_is_scaled() -> No
         assert clip_grad_norm_(params, 0.1).isnan()
         return str(info.value), str(torch_info.value)
 
-    results: list[Any] = run_ranks(4, rank_main)
+    results: list[Any] = run_threads(4, rank_main)
     for ours, theirs in results:
         assert ours == theirs

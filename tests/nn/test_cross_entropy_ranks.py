@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-from tests.nn.threads import RankError, run_ranks
+from tests.nn.ranks import RanksFailedError, run_threads
 from toolkit.nn import TiedLinear
 
 VOCAB, DIM, WORLD = 17, 8, 2
@@ -109,7 +109,7 @@ def test_the_loss_and_gradients_on_a_vocabulary_shard_are_those_of_one_process(
 ) -> None:
     case = _Case()
     expected = case.reference(**options)
-    for result in run_ranks(WORLD, lambda rank: case.on_rank(**options)):
+    for result in run_threads(WORLD, lambda rank: case.on_rank(**options)):
         for actual, wanted in zip(result, expected, strict=True):
             torch.testing.assert_close(actual, wanted)
 
@@ -120,7 +120,7 @@ def test_an_input_sharded_on_the_sequence_is_gathered_first() -> None:
     case = _Case()
     expected = case.reference(reduction="sum")
     for rank, result in enumerate(
-        run_ranks(WORLD, lambda rank: case.on_rank(Shard(1), reduction="sum"))
+        run_threads(WORLD, lambda rank: case.on_rank(Shard(1), reduction="sum"))
     ):
         torch.testing.assert_close(result[0], expected[0])
         part = slice(0, 3) if rank == 0 else slice(3, 5)
@@ -132,7 +132,7 @@ def test_bfloat16_on_a_vocabulary_shard_matches_one_process() -> None:
     case = _Case(torch.bfloat16)
     options = {"label_smoothing": 0.1, "z_loss": 0.01}
     expected = case.reference(**options)
-    for result in run_ranks(WORLD, lambda rank: case.on_rank(**options)):
+    for result in run_threads(WORLD, lambda rank: case.on_rank(**options)):
         for actual, wanted in zip(result, expected, strict=True):
             torch.testing.assert_close(actual, wanted, rtol=2e-2, atol=2e-2)
 
@@ -144,8 +144,8 @@ def test_a_target_outside_the_whole_vocabulary_is_refused_on_every_rank() -> Non
     def rank_main(rank: int) -> None:
         case.sharded_head().cross_entropy(case.x, case.target)
 
-    with pytest.raises(RankError) as info:
-        run_ranks(WORLD, rank_main)
+    with pytest.raises(RanksFailedError) as info:
+        run_threads(WORLD, rank_main)
     assert type(info.value.__cause__) is IndexError
     assert f"vocabulary of {VOCAB}" in str(info.value.__cause__)
 
@@ -160,7 +160,7 @@ def test_a_backward_that_builds_a_graph_is_refused_on_every_rank() -> None:
             torch.autograd.grad(loss, x, create_graph=True)
         return str(info.value)
 
-    for message in run_ranks(WORLD, rank_main):
+    for message in run_threads(WORLD, rank_main):
         for fact in (
             "TiedLinear.cross_entropy on a vocabulary-sharded weight does not support a "
             "backward that builds a graph (create_graph=True, torch.func)",
@@ -199,7 +199,7 @@ def test_a_rank_with_one_row_or_none_of_the_vocabulary_takes_part(vocab: int) ->
         assert isinstance(emb.weight.grad, DTensor)
         return [loss.detach(), x_rank.grad, emb.weight.grad.full_tensor()]
 
-    for result in run_ranks(3, rank_main):
+    for result in run_threads(3, rank_main):
         for actual, wanted in zip(result, [expected.detach(), x_ref.grad, w_ref.grad], strict=True):
             torch.testing.assert_close(actual, wanted)
 
@@ -233,7 +233,7 @@ def test_on_a_dp_by_tp_mesh_only_the_tensor_parallel_group_is_reduced() -> None:
         assert isinstance(emb.weight.grad, DTensor)
         return [loss.detach(), x.grad, emb.weight.grad.full_tensor()]
 
-    for rank, result in enumerate(run_ranks(4, rank_main)):
+    for rank, result in enumerate(run_threads(4, rank_main)):
         assert bool(result[0].isfinite())
         for actual, wanted in zip(result, expected[rank // 2], strict=True):
             torch.testing.assert_close(actual, wanted, rtol=1e-4, atol=1e-4)

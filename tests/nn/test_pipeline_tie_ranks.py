@@ -1,7 +1,7 @@
 """PipelineTie and pipeline_clip_grad_norm_ on 2, 3 and 4 ranks, each rank a thread.
 
-The ranks are threads of this process (``tests/nn/threads.py``), so every collective of the
-set-up, the gradient sum and the clipping runs here, in sight of the test. What this file
+The ranks are threads of this process (``tests.nn.ranks.run_threads``), so every collective
+of the set-up, the gradient sum and the clipping runs here, in sight of the test. What this file
 proves, against references computed in one process with plain torch:
 
 * A set-up error of one rank is raised on every rank, naming the group rank refused.
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.nn.distributed.pipeline_lm import StageLM, split, whole_model
 from tests.nn.distributed.tiny_lm import batches, initial_state, loss_fn
-from tests.nn.threads import run_ranks
+from tests.nn.ranks import run_threads
 from toolkit.nn import PipelineTie, TiedLinear, pipeline_clip_grad_norm_
 
 INF = float("inf")
@@ -96,7 +96,7 @@ def test_copies_of_different_shapes_on_two_ranks_are_refused_on_every_rank() -> 
     first, last = stages_of(0, 2)
     last.emb = nn.Embedding(5, 8)
     last.out.head = TiedLinear(last.emb)
-    messages = run_ranks(2, refusal(lambda rank: PipelineTie(copy.deepcopy([first, last][rank]))))
+    messages = run_threads(2, refusal(lambda rank: PipelineTie(copy.deepcopy([first, last][rank]))))
     expected = (
         "PipelineTie needs every copy of the tied weights to have one shape, but group rank 0 "
         "has {'emb': (17, 8)} and group rank 1 has {'emb': (5, 8)}; build every stage from the "
@@ -110,7 +110,7 @@ def test_stages_of_one_rank_sharing_one_tied_module_are_refused_on_every_rank() 
     _, middle, _ = stages_of(0, 3)
     last.emb = first.emb  # one object, not a deep copy per stage
     last.out.head = TiedLinear(first.emb)
-    messages = run_ranks(2, refusal(lambda rank: PipelineTie([[first, last], [middle]][rank])))
+    messages = run_threads(2, refusal(lambda rank: PipelineTie([[first, last], [middle]][rank])))
     expected = (
         "PipelineTie refused group rank 0's stages: two of its stages share one weight object "
         "as the tied module 'emb', so its gradient would be summed twice and left out of the "
@@ -207,7 +207,7 @@ def test_two_pipelines_on_their_own_groups_do_not_mix(kind: str, pass_group: boo
             for param, grad in zip(mine, theirs, strict=True):
                 torch.testing.assert_close(param.grad, grad)
 
-    run_ranks(4, rank_main)
+    run_threads(4, rank_main)
 
 
 # DTensor weights: rank dp * 2 + pp holds stage pp, the tied weight sharded over "dp". ---------
@@ -256,7 +256,7 @@ def test_reduce_grads_on_dtensor_weights_fills_a_missing_gradient_as_the_weight(
         torch.testing.assert_close(norm, torch.linalg.vector_norm(head_grad))
         torch.testing.assert_close(grad.full_tensor(), head_grad * (0.5 / (norm + 1e-6)))
 
-    run_ranks(4, rank_main)
+    run_threads(4, rank_main)
 
 
 # Clipping three uneven stages, the middle one possibly without any gradient. ------------------
@@ -311,7 +311,7 @@ def test_clipping_three_stages_matches_one_process(norm_type: float, frozen_midd
             torch.testing.assert_close(param.grad, grad)
         return norm, expected_mine
 
-    results = run_ranks(3, rank_main)
+    results = run_threads(3, rank_main)
     for norm, _ in results:
         assert norm.dtype == torch.float32
         torch.testing.assert_close(norm, expected)
@@ -339,7 +339,7 @@ def test_a_one_rank_pipeline_in_a_larger_world_communicates_nothing(spy: None) -
         assert collectives == []
         return norm
 
-    norms = run_ranks(2, rank_main)
+    norms = run_threads(2, rank_main)
     for norm, reference in zip(norms, expected, strict=True):
         torch.testing.assert_close(norm, reference, rtol=0, atol=0)
 
@@ -449,7 +449,7 @@ def test_accumulating_over_schedule_steps_counts_every_backward_once(
     reduce: str, set_to_none: bool
 ) -> None:
     expected = reference_accumulated(steps=2)
-    results = run_ranks(3, accumulated_training(stages_of(0, 3), reduce, set_to_none, 2))
+    results = run_threads(3, accumulated_training(stages_of(0, 3), reduce, set_to_none, 2))
     # The middle stage holds no copy, and runs the same loop.
     assert results[1]["tie"] == (
         "PipelineTie(names=['emb'], copies_on_this_rank={emb: 0}, group_size=3)"
@@ -465,7 +465,7 @@ def test_a_frozen_tied_weight_keeps_no_gradient_and_no_weight_decay() -> None:
     emb = initial_state()["emb.weight"]
 
     rank_main = accumulated_training(stages_of(0, 2), "each", True, 2, frozen=True)
-    for result in run_ranks(2, rank_main):
+    for result in run_threads(2, rank_main):
         torch.testing.assert_close(result["state"]["emb.weight"], emb, rtol=0, atol=0)
         for key, value in result["state"].items():
             torch.testing.assert_close(value, expected["state"][key], msg=key)
@@ -483,7 +483,7 @@ def test_copies_without_gradients_this_step_keep_none_with_one_all_reduce(spy: N
         assert collectives == ["all_reduce"]  # on every rank, the middle one's included
         assert all(p.grad is None for p in stage.parameters())
 
-    run_ranks(3, rank_main)
+    run_threads(3, rank_main)
 
 
 def test_reduce_grads_twice_leaves_the_sum_unchanged(spy: None) -> None:
@@ -506,7 +506,7 @@ def test_reduce_grads_twice_leaves_the_sum_unchanged(spy: None) -> None:
         assert len(stage.emb.weight._backward_hooks) == 1  # type: ignore[arg-type]
         assert len(stage.emb.weight._post_accumulate_grad_hooks) == 1  # type: ignore[arg-type]
 
-    run_ranks(2, rank_main)
+    run_threads(2, rank_main)
 
 
 def test_fsdp2_accumulating_onto_the_written_sum_is_refused_on_every_rank() -> None:
@@ -568,7 +568,7 @@ def test_fsdp2_accumulating_onto_the_written_sum_is_refused_on_every_rank() -> N
         torch.testing.assert_close(weight.grad.full_tensor(), head_grad * 4)
         return str(info.value)
 
-    messages = run_ranks(4, rank_main)
+    messages = run_threads(4, rank_main)
     assert len(set(messages)) == 1
     assert "zero_grad()" in messages[0]
 
@@ -610,7 +610,7 @@ def test_a_tie_held_by_one_stage_alone_is_accepted_and_needs_no_communication(
             torch.testing.assert_close(stage.aux_emb.weight.grad, aux_grad, rtol=0, atol=0)
             assert list(tie.duplicates()) == []
 
-    run_ranks(2, rank_main)
+    run_threads(2, rank_main)
 
 
 def test_a_stage_local_tie_beside_the_pipeline_tie_trains_both() -> None:
@@ -634,7 +634,7 @@ def test_a_stage_local_tie_beside_the_pipeline_tie_trains_both() -> None:
             torch.testing.assert_close(stage.aux_emb.weight.grad, aux_grad, rtol=0, atol=0)
         tie.check()
 
-    run_ranks(2, rank_main)
+    run_threads(2, rank_main)
 
 
 # pipeline_clip_grad_norm_ takes what torch's clip_grad_norm_ takes, and the pipeline's group. --
@@ -649,7 +649,7 @@ def test_clipping_without_the_pipeline_group_on_a_larger_world_is_refused() -> N
         assert torch.equal(layer.weight.grad, torch.ones(2, 3))
         return str(info.value)
 
-    messages = run_ranks(2, rank_main)
+    messages = run_threads(2, rank_main)
     assert messages[0] == messages[1]
     assert "the default group has 2 ranks" in messages[0]
     assert "tensor parallelism. Pass group=, such as group=mesh" in messages[0]
@@ -684,7 +684,7 @@ def test_clipping_takes_a_single_tensor_foreach_and_error_if_nonfinite() -> None
         assert pipeline_clip_grad_norm_([weight], 0.5, group=world).isinf()
         return str(info.value)
 
-    assert len(set(run_ranks(3, rank_main))) == 1
+    assert len(set(run_threads(3, rank_main))) == 1
 
 
 def test_two_pipelines_tying_different_modules_keep_to_their_own_groups() -> None:
@@ -695,7 +695,7 @@ def test_two_pipelines_tying_different_modules_keep_to_their_own_groups() -> Non
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         return PipelineTie(copy.deepcopy(stages[rank]), groups[rank // 2]).names
 
-    assert run_ranks(4, rank_main) == [("emb",)] * 2 + [("aux_emb", "emb")] * 2
+    assert run_threads(4, rank_main) == [("emb",)] * 2 + [("aux_emb", "emb")] * 2
 
 
 def test_float64_tied_gradients_are_summed_in_float64() -> None:
@@ -711,7 +711,7 @@ def test_float64_tied_gradients_are_summed_in_float64() -> None:
         assert torch.equal(stage.emb.weight.grad, 1.0 + small)
 
     assert not torch.equal(1.0 + small, (1.0 + small.float()).double())  # float32 would round
-    run_ranks(2, rank_main)
+    run_threads(2, rank_main)
 
 
 @pytest.mark.parametrize("last", ["float64", "float32", "frozen"])
@@ -741,7 +741,7 @@ def test_clipping_stages_whose_gradients_differ_in_dtype_matches_one_process(
         assert norm.dtype == (torch.float64 if with_float64 else torch.float32)
         torch.testing.assert_close(norm.double(), expected)
 
-    run_ranks(2, rank_main)
+    run_threads(2, rank_main)
     assert reduced[0] == reduced[1] != []
 
 
@@ -770,4 +770,4 @@ def test_a_nan_on_any_rank_makes_the_inf_norm_nan_on_every_rank(
         unchanged = torch.equal(weight.grad.nan_to_num(), before.nan_to_num())
         return unchanged, pipeline_clip_grad_norm_([weight], 1.0, INF, group=world).isnan().item()
 
-    assert run_ranks(2, rank_main) == [(True, True)] * 2
+    assert run_threads(2, rank_main) == [(True, True)] * 2

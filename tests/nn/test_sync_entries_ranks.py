@@ -26,7 +26,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate
 
 from tests.nn.distributed.entries_checks import Heads as Model
 from tests.nn.distributed.entries_checks import Inner, _state
-from tests.nn.threads import run_ranks
+from tests.nn.ranks import run_threads
 from toolkit.nn import ModuleDefaultDict, sync_entries
 from toolkit.nn._entries import _BUILD_ALIKE
 
@@ -80,7 +80,7 @@ def test_three_ranks_end_with_the_union_in_rank_order_valued_by_the_lowest_owner
         created = sync_entries(model)
         return {"created": created, "names": _entry_names(model), "state": _state(model)}
 
-    results = run_ranks(3, rank_main)
+    results = run_threads(3, rank_main)
 
     assert [r["created"] for r in results] == [
         ["heads.b", "outer.z", "outer.x.inner.y", "heads.c"],
@@ -141,7 +141,7 @@ def test_the_module_itself_can_be_the_dict() -> None:
         created = sync_entries(heads)
         return created, list(heads), _state(heads)
 
-    results = run_ranks(2, rank_main)
+    results = run_threads(2, rank_main)
     assert [r[0] for r in results] == [["c"], ["b"]]
     owner_of = {"b": 0, "a": 0, "c": 1}
     for rank, (_, names, state) in enumerate(results):
@@ -176,7 +176,7 @@ def test_a_group_of_some_ranks_counts_ranks_in_the_group() -> None:
         created = sync_entries(model, group=alone if rank == 0 else pair)
         return created, list(model.heads), _state(model)
 
-    results = run_ranks(3, rank_main)
+    results = run_threads(3, rank_main)
     created, names, state = results[0]
     assert (created, names) == ([], ["p", "q"])
     _assert_states_equal(state, before[0])
@@ -216,7 +216,7 @@ def test_dtensor_parameters_on_some_ranks_are_refused_on_every_rank_naming_each(
             owner.weight = nn.Parameter(DTensor.from_local(local, mesh, [Replicate()]))
         return _refused(model), _entry_names(model)
 
-    results = run_ranks(3, rank_main)
+    results = run_threads(3, rank_main)
     reason = "is a DTensor: the model is already sharded; create the entries before fully_shard"
     message = (
         f"sync_entries: rank 0: parameter heads.a.weight {reason}; "
@@ -253,7 +253,7 @@ def test_a_failed_creation_on_some_ranks_removes_every_created_entry_on_every_ra
         model = copy.deepcopy(models[rank])
         return _refused(model), (_state(model), _entry_names(model))
 
-    results = run_ranks(3, rank_main)
+    results = run_threads(3, rank_main)
     message = (
         "sync_entries created no entry: creating the missing entries failed on "
         "rank 1: RuntimeError('no outer entry on rank 1'); rank 2: KeyError('b')"
@@ -280,7 +280,7 @@ def test_an_entry_under_a_module_dict_on_another_rank_is_a_type_error_reported()
         model = copy.deepcopy(models[rank])
         return _refused(model), list(model.heads)
 
-    results = run_ranks(2, rank_main)
+    results = run_threads(2, rank_main)
     error = "TypeError(\"'heads' is a ModuleDict, not a ModuleDefaultDict\")"
     message = (
         f"sync_entries created no entry: creating the missing entries failed on rank 1: {error}"
@@ -309,7 +309,7 @@ def test_meta_tensors_on_some_ranks_only_are_refused_and_the_created_entries_rem
         refused = _refused(model)
         return refused, list(model.heads), [str(p.device) for p in model.heads.parameters()]
 
-    results = run_ranks(2, rank_main)
+    results = run_threads(2, rank_main)
     message = (
         "sync_entries created no entry: heads.a.bias, heads.a.weight, heads.b.bias, "
         "heads.b.weight, heads.c.bias, heads.c.weight are on the meta device on some ranks "
@@ -328,7 +328,7 @@ def test_meta_tensors_on_every_rank_are_left_alone_and_the_names_synchronised() 
         created = sync_entries(model)
         return created, list(model.heads), [str(p.device) for p in model.parameters()]
 
-    assert run_ranks(2, rank_main) == [
+    assert run_threads(2, rank_main) == [
         (["heads.b"], ["a", "b"], ["meta"] * 6),
         (["heads.a"], ["a", "b"], ["meta"] * 6),
     ]
@@ -351,7 +351,7 @@ def _refused_alike(
         model = copy.deepcopy(models[rank])
         return _refused(model), (_state(model), {k: list(d) for k, d in _dicts(model).items()})
 
-    results = run_ranks(world_size, rank_main)
+    results = run_threads(world_size, rank_main)
     errors = {error for error, _ in results}
     assert len(errors) == 1, errors
     kind, message, cause = errors.pop()
@@ -467,7 +467,7 @@ def test_tensors_registered_in_another_order_are_matched_by_name() -> None:
         sync_entries(heads)
         return _state(heads)
 
-    for state in run_ranks(2, rank_main):
+    for state in run_threads(2, rank_main):
         assert {k: v.tolist() for k, v in state.items()} == {
             k: v.tolist() for k, v in expected.items()
         }
@@ -507,7 +507,7 @@ def test_a_rank_outside_the_group_is_refused_without_entering_its_collectives() 
             outcome = str(error)
         return outcome, list(model.heads)
 
-    results = run_ranks(3, rank_main)
+    results = run_threads(3, rank_main)
     assert results[:2] == [("['heads.b']", ["a", "b"]), ("['heads.a']", ["a", "b"])]
     message, names = results[2]
     assert names == ["c"]

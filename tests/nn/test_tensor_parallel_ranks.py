@@ -1,7 +1,7 @@
 """TiedLinearParallel on two ranks of one process: logits, gradients, layouts and errors.
 
-Each rank is a thread of torch's threaded process group (``tests/nn/threads.py``), so the
-style's hooks run where the test can see them. The tied embedding has a vocabulary of 17,
+Each rank is a thread of torch's threaded process group (``tests.nn.ranks.run_threads``), so
+the style's hooks run where the test can see them. The tied embedding has a vocabulary of 17,
 which ``RowwiseParallel`` splits unevenly over the two ranks (9 rows and 8), and every result
 is compared with the same head run in one process on the full weight. The real multi-process
 runs of the whole recipe are in ``tests/nn/distributed/test_tensor_parallel.py``.
@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_modul
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.nn.threads import RankError, run_ranks
+from tests.nn.ranks import RanksFailedError, run_threads
 from toolkit.nn import TiedLinear, TiedLinearParallel
 
 VOCAB, DIM, BATCH, SEQ = 17, 8, 2, 6
@@ -129,7 +129,7 @@ def test_the_defaults_give_each_rank_its_vocabulary_rows_of_the_logits_at_no_cos
     def rank_main(rank: int) -> dict[str, Any]:
         return _step(case, TiedLinearParallel(), case.x)
 
-    for rank, result in enumerate(run_ranks(WORLD, rank_main)):
+    for rank, result in enumerate(run_threads(WORLD, rank_main)):
         # torch keeps Shard(-1) as the last dimension of the 3-D logits.
         assert result["placements"] == (Shard(2),)
         torch.testing.assert_close(result["local"], expected["logits"][..., VOCAB_ROWS[rank]])
@@ -152,7 +152,7 @@ def test_a_replicated_input_is_trusted_as_given_not_checked_or_broadcast() -> No
         with torch.no_grad():
             return head(x).to_local()
 
-    for rank, local in enumerate(run_ranks(WORLD, rank_main)):
+    for rank, local in enumerate(run_threads(WORLD, rank_main)):
         weight_rows = case.emb.weight.detach()[VOCAB_ROWS[rank]]
         torch.testing.assert_close(local, F.linear(case.x + rank, weight_rows))
 
@@ -165,7 +165,7 @@ def test_a_sequence_sharded_input_is_gathered_once_and_multiplied_replicated() -
         style = TiedLinearParallel(input_layouts=Shard(1))
         return _step(case, style, case.x[:, SEQ_POSITIONS[rank]])
 
-    for rank, result in enumerate(run_ranks(WORLD, rank_main)):
+    for rank, result in enumerate(run_threads(WORLD, rank_main)):
         assert result["placements"] == (Shard(2),)
         torch.testing.assert_close(result["full"], expected["logits"])
         assert result["forward"] == ["all_gather_into_tensor"]  # the input, once
@@ -187,7 +187,7 @@ def test_a_dtensor_input_keeps_its_own_placements() -> None:
             logits = head(x)
         return {"full": logits.full_tensor(), "forward": forward.ops, "seen": seen}
 
-    for result in run_ranks(WORLD, rank_main):
+    for result in run_threads(WORLD, rank_main):
         torch.testing.assert_close(result["full"], expected["logits"])
         assert result["forward"] == ["all_gather_into_tensor"]
         assert result["seen"] == [(Replicate(),)]
@@ -230,7 +230,7 @@ def test_the_logits_take_the_output_layouts_as_a_dtensor_or_this_ranks_part(
             return type(logits), tuple(logits.placements), logits.to_local()
         return type(logits), None, logits
 
-    results = run_ranks(WORLD, rank_main)
+    results = run_threads(WORLD, rank_main)
     if use_local_output and vocabulary:
         assert len(set(results)) == 1
         message = results[0]
@@ -271,7 +271,7 @@ def test_flattened_tokens_sharded_on_the_vocabulary_are_refused_as_a_local_tenso
             return str(info.value), head(tokens)
 
     rows = (slice(0, 6), slice(6, 12))
-    for rank, (message, local) in enumerate(run_ranks(WORLD, rank_main)):
+    for rank, (message, local) in enumerate(run_threads(WORLD, rank_main)):
         assert "loss_parallel()" in message
         torch.testing.assert_close(local, expected[rows[rank]])
 
@@ -284,7 +284,7 @@ def _error_on_each_rank(fn: Any) -> list[str]:
             return f"{type(error).__name__}: {error}"
         return "no error"
 
-    return run_ranks(WORLD, rank_main)
+    return run_threads(WORLD, rank_main)
 
 
 def test_a_tied_module_left_unsharded_names_the_cause_and_both_fixes() -> None:
@@ -339,8 +339,8 @@ def test_cross_entropy_on_a_weight_sharded_on_its_width_names_the_placements_and
         emb.weight = nn.Parameter(distribute_tensor(emb.weight.detach(), mesh, [Shard(1)]))
         TiedLinear(emb).cross_entropy(case.x, target)
 
-    with pytest.raises(RankError) as info:
-        run_ranks(WORLD, rank_main)
+    with pytest.raises(RanksFailedError) as info:
+        run_threads(WORLD, rank_main)
     assert type(info.value.__cause__) is RuntimeError
     message = " ".join(str(info.value.__cause__).split())
     # The module, the placements, what is supported, and each fix, in full.

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
 import toolkit.nn
-from tests.nn.threads import run_ranks
+from tests.nn.ranks import run_threads
 from toolkit.nn import TiedLinear, TiedLinearParallel
 
 
@@ -110,7 +110,7 @@ def test_a_batch_sharded_input_is_gathered_in_flight() -> None:
         logits = head(x.chunk(2)[rank])
         return seen, logits.full_tensor().detach()
 
-    for seen, logits in run_ranks(2, rank_main):
+    for seen, logits in run_threads(2, rank_main):
         assert seen == [AsyncCollectiveTensor]
         torch.testing.assert_close(logits, expected)
 
@@ -128,6 +128,6 @@ def test_logits_reduced_across_ranks_are_returned_in_flight() -> None:
         parallelize_module(head.linear, mesh, style)
         return head(x)
 
-    for logits in run_ranks(2, rank_main):
+    for logits in run_threads(2, rank_main):
         assert type(logits) is AsyncCollectiveTensor
         torch.testing.assert_close(logits.detach(), expected)

@@ -30,7 +30,7 @@ from torch.nn.modules import module as module_hooks
 from torch.nn.utils import parametrize
 
 from tests.nn.models import TiedLM, TiedPair
-from tests.nn.threads import run_ranks
+from tests.nn.ranks import run_threads
 from tests.strategies import DEVICES, LinearCase, linear_cases, make_tensor
 from toolkit.nn import TiedLinear
 
@@ -879,5 +879,5 @@ def test_on_two_ranks_the_error_names_what_left_the_weight_a_dtensor(
         assert isinstance(info.value.__cause__, RuntimeError)
         return str(info.value)
 
-    for message in run_ranks(2, rank_main):
+    for message in run_threads(2, rank_main):
         assert all(fact in message for fact in facts), message

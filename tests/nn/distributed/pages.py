@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from tests.nn.distributed import workers
-from tests.nn.distributed.launch import run_ranks
+from tests.nn.ranks import run_processes
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
@@ -38,4 +38,6 @@ def run_page(page: Path, world_size: int = 2, timeout: float = 120.0) -> list[di
     Returns:
         Each rank's namespace afterwards, its picklable values only, by rank.
     """
-    return run_ranks(workers.run_script, world_size, blocks(page, "py"), str(page), timeout=timeout)
+    return run_processes(
+        world_size, workers.run_script, blocks(page, "py"), str(page), timeout=timeout
+    )

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.nn.distributed.launch import _loopback_interface
+from tests.nn.ranks import loopback_interface
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "parallel_3d.py"
 TIMEOUT = 300
@@ -44,7 +44,7 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
     }
-    loopback = _loopback_interface()
+    loopback = loopback_interface()
     if loopback is not None:
         env.setdefault("GLOO_SOCKET_IFNAME", loopback)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

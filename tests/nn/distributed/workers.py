@@ -1,6 +1,6 @@
 """What each rank runs: build a setup, train it, and send back what the tests compare.
 
-Every function here runs inside a rank started by :func:`tests.nn.distributed.launch.run_ranks`,
+Every function here runs inside a rank started by :func:`tests.nn.ranks.run_processes`,
 so the process group is set up from the environment, exactly as under ``torchrun``. One launch
 runs many setups one after another, because starting processes and importing torch costs far
 more than training the tiny model.

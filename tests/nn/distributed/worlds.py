@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.nn.distributed import workers
-from tests.nn.distributed.launch import RanksFailedError, run_ranks
+from tests.nn.ranks import RanksFailedError, run_processes
 
 # The hard bound on one launch. A normal two-rank run takes about 15 s on two cores; a
 # collective that hangs fails after workers.COLLECTIVE_TIMEOUT, and anything still running at
@@ -44,9 +44,9 @@ class Worlds:
         if world_size not in self._results:
             checkpoints = self._root / f"dcp-{world_size}"
             try:
-                self._results[world_size] = run_ranks(
-                    workers.main,
+                self._results[world_size] = run_processes(
                     world_size,
+                    workers.main,
                     world_size,
                     WORLDS[world_size],
                     str(checkpoints),

@@ -1,19 +1,13 @@
-"""A small torchrun for the tests: run one function on N local ranks with a hard time bound.
+"""The multi-rank harness of the tests: ranks as threads of this process, or as processes.
 
-``run_ranks(target, world_size, *args, timeout=...)`` starts one Python process per rank with the
-environment that ``torchrun`` gives its workers (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``), so code inside a rank, documentation examples included, calls
-``dist.init_process_group("gloo")`` exactly as it would under ``torchrun``.
+- ``run_threads(world_size, fn)`` runs ``fn(rank)`` on threads with torch's threaded process
+  group. It is the default: fast, and every line it runs is seen by the mutation pass.
+- ``run_processes(world_size, target, *args, timeout=...)`` starts one process per rank with
+  gloo, as ``torchrun`` would. It is for what threads cannot run: documentation pages and
+  examples written as scripts, and the launches that prove parity with real collectives.
 
-The rendezvous store is hosted here, in the calling process, on a port the operating system
-picks, and the ranks join it as clients (``TORCHELASTIC_USE_AGENT_STORE``, as ``torchrun``'s agent
-does). No port is guessed, so concurrent runs never collide, and gloo is kept on the loopback
-interface. Once ``timeout`` seconds have passed, every rank still running is killed and
-:class:`RanksFailedError` reports what each rank printed: a hung collective can never stall the
-test suite.
-
-Each rank calls ``target(*args)`` and sends back its return value, which must be picklable. If a
-rank raises, the traceback is sent back instead and the whole run raises :class:`RanksFailedError`.
+Both return each rank's result in rank order, and raise :class:`RanksFailedError` naming the
+rank that failed.
 """
 
 from __future__ import annotations
@@ -26,34 +20,114 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["RanksFailedError", "rank_main", "run_ranks"]
+__all__ = ["RanksFailedError", "loopback_interface", "process_main", "run_processes", "run_threads"]
 
+T = TypeVar("T")
 HOST = "127.0.0.1"
 FAILURE_GRACE = 10.0
 
 
 class RanksFailedError(AssertionError):
-    """Some rank raised, exited abnormally or was killed at the time bound."""
+    """A rank raised, exited abnormally or was still running at the time bound.
+
+    Raised by both harnesses; for threads, the rank's own error is the cause.
+    """
 
 
-def run_ranks(
-    target: Callable[..., Any],
+# A collective that one rank never reaches would hang the others; each thread is joined with
+# this bound, and a rank still running after it fails the test.
+JOIN_TIMEOUT_S = 60.0
+
+
+def run_threads(world_size: int, fn: Callable[[int], T]) -> list[T]:
+    """Run ``fn(rank)`` on ``world_size`` threads, each a rank of one default process group.
+
+    The collectives are those of torch's threaded backend (``all_gather_object``,
+    ``broadcast``, ``all_reduce`` and DTensor's redistributions), so the per-rank code runs in
+    a fraction of a second, in sight of coverage and mutation tools. Threads share torch's
+    global random generator: build the models in the calling thread and give each rank its own
+    (``copy.deepcopy``).
+
+    Returns what each rank returned, in rank order. If any rank raises, every rank's
+    collectives are released and the error of the rank that raised first is raised again,
+    chained: the others only fail because it left their collectives.
+    """
+    import torch  # noqa: PLC0415 - rank processes import this module: keep it light
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.testing._internal.distributed.multi_threaded_pg import (  # noqa: PLC0415
+        ProcessLocalGroup,
+        _install_threaded_pg,
+        _uninstall_threaded_pg,
+    )
+
+    if dist.is_initialized():
+        raise RuntimeError("run_threads needs no process group in the calling thread")
+    results: list[T | None] = [None] * world_size
+    errors: list[tuple[int, BaseException]] = []  # in the order the ranks raised
+    store = dist.HashStore()
+
+    def rank_main(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+        try:
+            results[rank] = fn(rank)
+        except BaseException as error:  # re-raised in the calling thread
+            errors.append((rank, error))
+            ProcessLocalGroup.exception_handle(error)  # wake the ranks waiting on this one
+        finally:
+            dist.destroy_process_group()
+
+    ProcessLocalGroup.reset()  # clear what a failed run before this one left
+    _install_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    try:
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(JOIN_TIMEOUT_S)
+        hung = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        _uninstall_threaded_pg()
+    if hung:
+        raise RanksFailedError(f"ranks {hung} did not finish in {JOIN_TIMEOUT_S} s")
+    if errors:
+        rank, error = errors[0]
+        raise RanksFailedError(f"rank {rank} raised {type(error).__name__}: {error}") from error
+    return results  # type: ignore[return-value] # every rank returned
+
+
+HOST = "127.0.0.1"
+FAILURE_GRACE = 10.0
+
+
+def run_processes(
     world_size: int,
+    target: Callable[..., Any],
     *args: Any,
     timeout: float,
     grace: float = FAILURE_GRACE,
 ) -> list[Any]:
-    """Run ``target(*args)`` on ``world_size`` ranks and return each rank's result, by rank.
+    """Run ``target(*args)`` on ``world_size`` processes and return each rank's result, by rank.
+
+    Each process gets the environment that ``torchrun`` gives its workers (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so code inside a rank,
+    documentation examples included, calls ``dist.init_process_group("gloo")`` as it would under
+    ``torchrun``. The rendezvous store is hosted in the calling process on a port the operating
+    system picks (``TORCHELASTIC_USE_AGENT_STORE``, as ``torchrun``'s agent does), so no port is
+    guessed, and gloo is kept on the loopback interface. Once ``timeout`` seconds have passed,
+    every rank still running is killed: a hung collective cannot stall the suite.
 
     Args:
-        target: A module-level function, imported by name in each rank.
         world_size: How many ranks to start.
+        target: A module-level function, imported by name in each rank.
         *args: Picklable arguments, the same for every rank.
         timeout: Seconds after which ranks still running are killed.
         grace: Seconds the other ranks get to finish once one rank has failed.
@@ -65,7 +139,7 @@ def run_ranks(
         RanksFailedError: If a rank raised (its traceback is in the message), died, or was still
             running at the time bound.
     """
-    import torch.distributed as dist  # noqa: PLC0415 - ranks import this module; keep it light
+    import torch.distributed as dist  # noqa: PLC0415 - rank processes import this module: keep it light
 
     store = dist.TCPStore(
         HOST,
@@ -90,7 +164,7 @@ def run_ranks(
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "OMP_NUM_THREADS": "1",
         }
-        loopback = _loopback_interface()
+        loopback = loopback_interface()
         if loopback is not None and "GLOO_SOCKET_IFNAME" not in env:
             # Every rank is local: keep gloo off interfaces that the host name may resolve to.
             env["GLOO_SOCKET_IFNAME"] = loopback
@@ -102,7 +176,12 @@ def run_ranks(
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", f"from {__name__} import rank_main; rank_main()", tmp],
+                    [
+                        sys.executable,
+                        "-c",
+                        f"from {__name__} import process_main; process_main()",
+                        tmp,
+                    ],
                     env=rank_env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -135,7 +214,7 @@ def run_ranks(
         return _collect(workdir, procs, timeout, timed_out=timed_out)
 
 
-def _loopback_interface() -> str | None:
+def loopback_interface() -> str | None:
     """The name of the loopback network interface, such as ``lo`` or ``lo0``, if known."""
     try:
         names = [name for _, name in socket.if_nameindex()]
@@ -176,8 +255,8 @@ def _collect(
     return results
 
 
-def rank_main() -> None:
-    """The entry point of one rank: call the target and write back its result or traceback."""
+def process_main() -> None:
+    """One rank process's entry point: call the target, write back its result or traceback."""
     workdir = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
     module_name, qualname, args = pickle.loads((workdir / "call.pkl").read_bytes())

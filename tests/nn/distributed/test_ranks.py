@@ -1,0 +1,60 @@
+"""Laws of the multi-rank harness: results come back by rank, failures and hangs end the run."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.nn.distributed import toy_ranks
+from tests.nn.ranks import RanksFailedError, run_processes, run_threads
+
+
+def test_threads_each_rank_returns_in_rank_order_and_the_collectives_combine_them() -> None:
+    def rank_main(rank: int) -> tuple[int, int, float]:
+        total = torch.tensor([float(rank + 1)])
+        dist.all_reduce(total)
+        return rank, dist.get_world_size(), total.item()
+
+    assert run_threads(3, rank_main) == [(0, 3, 6.0), (1, 3, 6.0), (2, 3, 6.0)]
+
+
+def test_threads_the_first_error_is_raised_and_the_next_run_starts_clean() -> None:
+    def failing(rank: int) -> None:
+        if rank == 1:
+            raise ValueError("rank one fails")
+        dist.barrier()
+
+    with pytest.raises(RanksFailedError, match=r"^rank 1 raised ValueError: rank one fails$"):
+        run_threads(2, failing)
+    assert not dist.is_initialized()
+    assert run_threads(2, lambda rank: rank) == [0, 1]
+
+
+def test_processes_each_rank_runs_the_target_and_results_come_back_in_rank_order() -> None:
+    results = run_processes(3, toy_ranks.identify, "x", timeout=60)
+    assert [r[:3] for r in results] == [(0, 3, "x"), (1, 3, "x"), (2, 3, "x")]
+    (address,) = {r[3] for r in results}
+    assert address.startswith("127.0.0.1:")
+    assert int(address.rpartition(":")[2]) > 0
+
+
+def test_processes_a_failing_rank_is_reported_and_its_waiting_peers_are_stopped() -> None:
+    start = time.monotonic()
+    with pytest.raises(RanksFailedError) as info:
+        run_processes(2, toy_ranks.fail_on_rank_zero_and_hang_elsewhere, timeout=60, grace=0.5)
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert "rank 0 raised" in message
+    assert "ValueError: rank zero broke" in message
+    assert "rank 1 was killed after a peer failed" in message
+
+
+def test_processes_ranks_still_running_at_the_bound_are_killed_and_reported() -> None:
+    start = time.monotonic()
+    with pytest.raises(RanksFailedError, match=r"rank 0 was killed at the 2\.0 s bound") as info:
+        run_processes(2, toy_ranks.hang, timeout=2.0)
+    assert time.monotonic() - start < 20
+    assert "rank 1 was killed at the 2.0 s bound" in str(info.value)
