@@ -1,4 +1,4 @@
-"""Find the runnable examples of Markdown pages: the blocks fenced exactly ```python."""
+"""Find and run the examples of Markdown pages: the blocks fenced exactly ```python (or ```py)."""
 
 from __future__ import annotations
 
@@ -6,32 +6,32 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-RUNNABLE = "```python"
 FENCE = "```"
 
 
 @dataclass(frozen=True)
 class Block:
-    """One fenced ```python block: its code and the 1-based line of its first code line."""
+    """One fenced block: its code and the 1-based line of its first code line."""
 
     code: str
     line: int
 
 
-def python_blocks(text: str) -> list[Block]:
-    """The blocks of ``text`` fenced exactly ```python, in order.
+def python_blocks(text: str, info: str = "python") -> list[Block]:
+    """The blocks of ``text`` fenced exactly ```python (or `````info``), in order.
 
     Blocks fenced any other way (```py, ```bash, ```python title="x", ...) are left out: ```py
-    marks examples that other tests run. A fence may be indented, as inside a list item.
+    marks examples that need a process group, which ``tests/nn/distributed`` runs on gloo
+    ranks. A fence may be indented, as inside a list item.
 
     Raises:
-        ValueError: If a ```python block is not closed.
+        ValueError: If a block is not closed.
     """
     blocks: list[Block] = []
     lines = text.splitlines()
     index = 0
     while index < len(lines):
-        if lines[index].strip() != RUNNABLE:
+        if lines[index].strip() != FENCE + info:
             index += 1
             continue
         start = index + 1
@@ -39,7 +39,7 @@ def python_blocks(text: str) -> list[Block]:
         while end < len(lines) and lines[end].strip() != FENCE:
             end += 1
         if end == len(lines):
-            raise ValueError(f"the ```python block opened on line {index + 1} is not closed")
+            raise ValueError(f"the ```{info} block opened on line {index + 1} is not closed")
         blocks.append(Block(textwrap.dedent("\n".join(lines[start:end])), start + 1))
         index = end + 1
     return blocks

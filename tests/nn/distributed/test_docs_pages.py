@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs.examples import python_blocks
 from tests.nn.distributed import workers
 from tests.nn.ranks import RanksFailedError, run_processes
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
-FENCE = re.compile(r"^```(\S*)\n(.*?)^```$", re.DOTALL | re.MULTILINE)
+OPENING_FENCE = re.compile(r"^\s*```(\S+)", re.MULTILINE)  # a closing fence has no info
 # Each page, its number of ranks, and its ```py blocks at least: a block fenced ```python by
 # mistake would run in a single process, without the process group it needs.
 PAGES = {
@@ -30,14 +31,10 @@ PAGES = {
 _RUNS: dict[str, list[dict[str, object]] | RanksFailedError] = {}
 
 
-def blocks(page: str, kind: str) -> list[tuple[int, str]]:
-    """The blocks of ``page`` fenced exactly ```kind: their first code line's number, and code."""
+def blocks(page: str, info: str) -> list[tuple[int, str]]:
+    """The blocks of ``page`` fenced exactly ```info: their first code line's number, and code."""
     text = (DOCS / page).read_text(encoding="utf-8")
-    return [
-        (text.count("\n", 0, m.start(2)) + 1, m.group(2))
-        for m in FENCE.finditer(text)
-        if m.group(1) == kind
-    ]
+    return [(block.line, block.code) for block in python_blocks(text, info)]
 
 
 def run_page(page: str) -> list[dict[str, object]]:
@@ -58,7 +55,7 @@ def run_page(page: str) -> list[dict[str, object]]:
 
 @pytest.mark.parametrize("page", sorted(PAGES))
 def test_every_block_runs_on_every_rank(page: str) -> None:
-    kinds = [m.group(1) for m in FENCE.finditer((DOCS / page).read_text(encoding="utf-8"))]
+    kinds = OPENING_FENCE.findall((DOCS / page).read_text(encoding="utf-8"))
     world_size, least = PAGES[page]
     assert kinds.count("py") >= least
     assert set(kinds) <= {"py", "python", "text"}
