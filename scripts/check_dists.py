@@ -5,9 +5,9 @@ For each package: build the sdist and, from it, the wheel; run ``twine check`` a
 is a PEP 420 namespace shared by every package), that torch is its only requirement, that
 the wheel and the sdist ship the repository's LICENSE and declare it, that the project URLs
 are given, and that the classifiers name the typed package and the Python versions from
-``requires-python`` on. Then install all the wheels into a venv that holds no other toolkit
-distribution, with a throwaway second ``toolkit.*`` distribution built here, and import every
-one. Artifacts are copied to ``--outdir`` (``dist/``).
+``requires-python`` on. Then install all the wheels into a new temporary venv, with a
+throwaway second ``toolkit.*`` distribution built here, and import every one. Artifacts are
+copied to ``--outdir`` (``dist/``).
 """
 
 from __future__ import annotations
@@ -168,59 +168,11 @@ def import_check(python: Path, modules: Sequence[str], cwd: Path) -> None:
     run(python, "-W", "ignore:Failed to initialize NumPy", "-c", script, cwd=cwd)
 
 
-def prepare_venv(location: Path, cwd: Path) -> Path:
-    """A venv at ``location`` from which no ``toolkit`` module imports; return its python.
-
-    An existing venv is reused, so that torch need not be installed again, after every
-    ``toolkit-*`` distribution in it is uninstalled.
-    """
-    python = location / "bin" / "python"
-    if not python.exists():
-        run(sys.executable, "-m", "venv", location)
-        return python
-    listed = subprocess.run(
-        [python, "-m", "pip", "list", "--format=freeze"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    ours = [
-        line.split("==")[0]
-        for line in listed.splitlines()
-        if re.match(rf"{NAMESPACE}[-_]", line, re.IGNORECASE)
-    ]
-    if ours:
-        run(python, "-m", "pip", "uninstall", "--quiet", "--yes", *ours)
-    purelib = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    namespace = Path(purelib) / NAMESPACE
-    # pip leaves the namespace folder that several distributions shared, empty or holding
-    # bytecode caches; any other file left in it belongs to no distribution.
-    if namespace.is_dir():
-        if stray := [p for p in namespace.rglob("*") if p.is_file() and p.suffix != ".pyc"]:
-            raise SystemExit(f"{stray[0]} belongs to no distribution; delete {location}")
-        shutil.rmtree(namespace)
-    script = f"import importlib.util as u, sys; sys.exit(u.find_spec({NAMESPACE!r}) is not None)"
-    if subprocess.run([python, "-c", script], cwd=cwd, check=False).returncode != 0:
-        raise SystemExit(f"{location} still holds a {NAMESPACE} module; delete the venv")
-    return python
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Build, check, install and import every package; return the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--outdir", type=Path, default=ROOT / "dist")
     parser.add_argument("--constraints", type=Path, default=ROOT / "constraints.txt")
-    parser.add_argument(
-        "--venv",
-        type=Path,
-        default=None,
-        help="the venv to install into, kept between runs (default: a temporary one)",
-    )
     args = parser.parse_args(argv)
     packages = sorted(p.parent for p in ROOT.glob("packages/*/pyproject.toml"))
     if not packages:
@@ -244,7 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         probe_dir = work / "probe-dist"
         run(sys.executable, "-m", "build", "--wheel", "--outdir", probe_dir,
             make_probe(work, version))  # fmt: skip
-        python = prepare_venv(args.venv or work / "venv", cwd=work)
+        run(sys.executable, "-m", "venv", work / "venv")
+        python = work / "venv" / "bin" / "python"
         pip = (python, "-m", "pip", "install", "--quiet", "--no-compile", "-c", args.constraints)
         run(*pip, *wheels)
         modules = [f"{NAMESPACE}.{p.name.removeprefix(f'{NAMESPACE}-')}" for p in packages]

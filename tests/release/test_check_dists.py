@@ -7,14 +7,12 @@ hand-made wheels and sdists, so that a check that passes everything is caught.
 from __future__ import annotations
 
 import io
-import subprocess
 import tarfile
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from scripts import check_dists
 from scripts.check_dists import check_sdist, check_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,55 +184,3 @@ def test_missing_metadata_is_reported_for_wheel_and_sdist(
     assert problem == f"toolkit_nn-1.0.0-py3-none-any.whl: {message}"
     (problem,) = check_sdist(sdist(tmp_path, **changes), LICENSE)
     assert problem == f"toolkit_nn-1.0.0.tar.gz: {message}"
-
-
-@pytest.fixture
-def kept_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, list[list[str]]]:
-    """A venv from an earlier run: its pip lists torch and two toolkit distributions.
-
-    The subprocesses are stood in for; the commands run through ``run`` are recorded.
-    """
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").touch()
-    purelib = venv / "lib" / "site-packages"
-    (purelib / "toolkit" / "nn" / "__pycache__").mkdir(parents=True)
-    (purelib / "toolkit" / "nn" / "__pycache__" / "__init__.cpython-311.pyc").touch()
-    ran: list[list[str]] = []
-
-    def fake_subprocess_run(command: list[object], **_: object) -> subprocess.CompletedProcess[str]:
-        text = " ".join(map(str, command))
-        if "pip list" in text:
-            out = "torch==2.13.0\ntoolkit-nn==3.58.0\nToolkit_Probe==3.58.0\ntoolkitx==1.0\n"
-        elif "purelib" in text:
-            out = f"{purelib}\n"
-        else:  # the import check: toolkit is found while its folder is there
-            return subprocess.CompletedProcess(command, int((purelib / "toolkit").exists()), "")
-        return subprocess.CompletedProcess(command, 0, out)
-
-    monkeypatch.setattr(check_dists.subprocess, "run", fake_subprocess_run)
-    monkeypatch.setattr(
-        check_dists, "run", lambda *command, **_: ran.append(list(map(str, command)))
-    )
-    return venv, ran
-
-
-def test_a_kept_venv_loses_every_toolkit_distribution_and_folder(
-    kept_venv: tuple[Path, list[list[str]]], tmp_path: Path
-) -> None:
-    venv, ran = kept_venv
-    assert check_dists.prepare_venv(venv, cwd=tmp_path) == venv / "bin" / "python"
-    uninstall = ["-m", "pip", "uninstall", "--quiet", "--yes", "toolkit-nn", "Toolkit_Probe"]
-    assert ran == [[str(venv / "bin" / "python"), *uninstall]]
-    assert not (venv / "lib" / "site-packages" / "toolkit").exists()
-
-
-def test_a_kept_venv_with_a_stray_toolkit_file_is_refused(
-    kept_venv: tuple[Path, list[list[str]]], tmp_path: Path
-) -> None:
-    venv, _ = kept_venv
-    stray = venv / "lib" / "site-packages" / "toolkit" / "nn" / "leftover.py"
-    stray.touch()
-    with pytest.raises(SystemExit, match=f"^{stray} belongs to no distribution; delete {venv}$"):
-        check_dists.prepare_venv(venv, cwd=tmp_path)
-    assert stray.exists()
