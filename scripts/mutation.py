@@ -209,7 +209,8 @@ def slow_tests() -> list[str]:
         folder = WORKSPACE / "tests" / package
         args += [str(p.relative_to(WORKSPACE)) for p in sorted(folder.glob("test_*.py"))]
         args += [str(p.relative_to(WORKSPACE)) for p in sorted(folder.iterdir()) if p.is_dir()]
-    return [*args, *SLOW_SELECTION]
+    # The guides whose examples run on gloo ranks (tests/docs/test_distributed_pages.py).
+    return [*args, "tests/docs", *SLOW_SELECTION]
 
 
 def run_slow(args: Sequence[str], env: dict[str, str], *, show: bool = False) -> int | None:

@@ -41,8 +41,8 @@ class RanksFailedError(AssertionError):
     """
 
 
-# A collective that one rank never reaches would hang the others; each thread is joined with
-# this bound, and a rank still running after it fails the test.
+# A collective that one rank never reaches would hang the others: the ranks still running this
+# long after they started fail the test.
 JOIN_TIMEOUT_S = 60.0
 
 
@@ -87,11 +87,15 @@ def run_threads(world_size: int, fn: Callable[[int], T]) -> list[T]:
     _install_threaded_pg()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     try:
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
+        # Daemon threads: a rank stuck in a collective cannot keep the test process alive.
+        threads = [
+            threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world_size)
+        ]
         for thread in threads:
             thread.start()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
         for thread in threads:
-            thread.join(JOIN_TIMEOUT_S)
+            thread.join(max(0.0, deadline - time.monotonic()))
         hung = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
     finally:
         torch._C._distributed_c10d._set_thread_isolation_mode(False)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.nn import ranks
 from tests.nn.distributed import toy_ranks
 from tests.nn.ranks import RanksFailedError, run_processes, run_threads
 
@@ -31,6 +32,22 @@ def test_threads_the_first_error_is_raised_and_the_next_run_starts_clean() -> No
         run_threads(2, failing)
     assert not dist.is_initialized()
     assert run_threads(2, lambda rank: rank) == [0, 1]
+
+
+def test_threads_still_running_at_the_bound_fail_the_run_and_do_not_hold_the_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ranks, "JOIN_TIMEOUT_S", 2.0)
+
+    def stuck(rank: int) -> None:
+        if rank == 0:
+            dist.barrier()  # rank 1 never comes
+        time.sleep(3600)
+
+    start = time.monotonic()
+    with pytest.raises(RanksFailedError, match=r"ranks \[0, 1\] did not finish"):
+        run_threads(2, stuck)
+    assert time.monotonic() - start < 10
 
 
 def test_processes_each_rank_runs_the_target_and_results_come_back_in_rank_order() -> None:

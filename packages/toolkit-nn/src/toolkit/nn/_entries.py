@@ -41,7 +41,8 @@ def create_entries(module: nn.Module, keys: Iterable[str], *, prefix: str = "") 
     Raises:
         ValueError: If ``prefix`` is not empty and does not end with ``"."``, if not one of
             the keys matches ``module`` (naming the prefix that would), or if ``module``
-            is wrapped by DDP or FSDP or holds DTensors. Nothing is created then.
+            is wrapped by DDP or FSDP or holds DTensors (not seen from inside a wrapper,
+            as in ``ddp.module`` or an empty dict of a sharded model). Nothing is created.
         TypeError: If a factory returns something that is not a Module.
 
     Added in version v3.58.0.
@@ -55,8 +56,6 @@ def create_entries(module: nn.Module, keys: Iterable[str], *, prefix: str = "") 
         >>> keys = ["model.heads.a.weight", "model.heads.b.bias", "step"]
         >>> create_entries(model, keys, prefix="model.")
         ['heads.a', 'heads.b']
-        >>> create_entries(model, keys, prefix="model.")
-        []
     """
     if prefix and not prefix.endswith("."):
         raise ValueError(
@@ -158,9 +157,11 @@ def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> l
     Raises:
         ValueError: On this rank alone, before any collective, if it is not a rank of
             ``group``. On every rank, with nothing changed: if ``module`` is wrapped by DDP
-            or FSDP or holds DTensors on some rank, an entry is registered under two names,
-            an entry differs in parameter or buffer names, shapes or dtypes between ranks,
-            or a tensor is on the meta device on some ranks only.
+            or FSDP or holds DTensors on some rank (not seen from inside a wrapper, such as
+            ``ddp.module`` or an empty inner dict of a sharded model), an entry is
+            registered under two names, an entry differs in parameter or buffer names,
+            shapes or dtypes between ranks, or a tensor is on the meta device on some ranks
+            only.
         RuntimeError: On every rank, if creating an entry failed on some rank; the entries
             the call created are removed again, on every rank.
 

@@ -344,7 +344,8 @@ def pipeline_clip_grad_norm_(
         parameters: This rank's parameters, of every stage it holds: a tensor or an
             iterable of tensors.
         max_norm: The largest total norm allowed.
-        norm_type: The p of the p-norm; ``inf`` for the largest absolute value.
+        norm_type: The p of the p-norm; ``inf`` for the largest absolute value, ``-inf``
+            for the smallest, over every rank's gradients.
         error_if_nonfinite: Raise if the total norm is ``nan``, ``inf`` or ``-inf``.
         foreach: Use the foreach kernels (``None``: where the device supports them).
         group: The process group of one pipeline (every stage, in any order), or a 1-D
@@ -375,16 +376,22 @@ def pipeline_clip_grad_norm_(
     pipeline = _pipeline_group(group, tie)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     skipped = {id(p) for p in tie.duplicates()} if tie is not None else set()
-    local = total_norm(by_layout(p for p in params if id(p) not in skipped), norm_type, foreach)
+    counted = by_layout(p for p in params if id(p) not in skipped)
+    local = total_norm(counted, norm_type, foreach)
     # float64 on every rank, whatever each rank's gradients are: the ranks must agree on it.
     total = local.to(torch.float64)
     if dist.get_world_size(pipeline) == 1:
         pass  # one rank holds the whole pipeline: its norm is the total
     elif math.isinf(norm_type):
-        # gloo's MAX may drop a nan: whether any rank's norm is nan is reduced beside it.
-        both = torch.stack([total, total.isnan()])  # float64, as total
+        # The largest (inf) or smallest (-inf) of the ranks' norms is the MAX of norm * sign,
+        # where a rank without gradients takes no part; no gradient anywhere gives 0, as in
+        # torch. gloo's MAX may drop a nan: whether any rank's norm is nan rides beside it.
+        sign = math.copysign(1.0, norm_type)
+        signed = total * sign if counted else torch.tensor(-math.inf, dtype=torch.float64)
+        both = torch.stack([signed, total.isnan(), torch.tensor(float(bool(counted)))])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pipeline)
-        total = torch.where(both[1] > 0, math.nan, both[0])
+        total = torch.where(both[2] > 0, both[0] * sign, 0.0)
+        total = torch.where(both[1] > 0, math.nan, total)
     elif norm_type == 0:
         dist.all_reduce(total, group=pipeline)  # the ranks' counts of nonzero elements add
     else:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -86,16 +88,37 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
     if getattr(output, "bias", None) is not None:
         raise ValueError(f"{kind}'s head has a bias, which TiedLinear, bias-free, would drop")
     names = [name for name, module in model.named_modules() if module is output]
-    parent_name, _, attribute = names[0].rpartition(".")
-    parent = model.get_submodule(parent_name)
-    head = TiedLinear(embedding)
-    key = f"{names[0]}.weight"
-    mappings = _untied_mappings(model, key)
-    delattr(parent, attribute)
-    setattr(parent, attribute, head)
+    mappings = _untied_mappings(model, f"{names[0]}.weight")
+    head = _set_head(model, names[0], embedding)
     for owner, name, mapping in mappings:
         setattr(owner, name, mapping)
+    # transformers' tie_weights() ties the head to the input embeddings of the moment, a
+    # new one after set_input_embeddings(): the model's own does the same for this head.
+    if "tie_weights" not in vars(model):
+        hf.tie_weights = functools.partial(_tie_weights, model, names[0], hf.tie_weights)
     return head
+
+
+def _set_head(model: nn.Module, path: str, embedding: nn.Module) -> TiedLinear:
+    """Put ``TiedLinear(embedding)`` at ``path`` in ``model``, in place of what is there."""
+    parent_name, _, attribute = path.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    head = TiedLinear(embedding)
+    delattr(parent, attribute)
+    setattr(parent, attribute, head)
+    return head
+
+
+def _tie_weights(
+    model: nn.Module, path: str, tie_weights: Callable[..., object], *args: object, **kwargs: object
+) -> None:
+    """Tie as transformers' ``tie_weights`` does, then the head to the current input embeddings."""
+    tie_weights(*args, **kwargs)
+    hf: Any = model
+    embedding = hf.get_input_embeddings()
+    head = hf.get_output_embeddings()
+    if isinstance(head, TiedLinear) and head.tied_module is not embedding:
+        _set_head(model, path, embedding)
 
 
 def _untied_mappings(model: nn.Module, key: str) -> list[tuple[nn.Module, str, dict[str, Any]]]:

@@ -1,6 +1,6 @@
 """The guides whose examples need a process group run on gloo ranks, as one ``torchrun`` script.
 
-The generic docs test runs only blocks fenced exactly ```python, in a single process. These
+``test_examples.py`` runs the blocks fenced exactly ```python, in a single process. These
 pages fence their code ```py instead: each page's blocks run here in order, in one namespace,
 on the page's number of ranks, as ``torchrun --nproc-per-node N`` would. The blocks assert
 the pages' claims themselves (losses equal to one process, layouts, collectives); these tests
@@ -18,7 +18,7 @@ from tests.docs.examples import python_blocks
 from tests.nn.distributed import workers
 from tests.nn.ranks import RanksFailedError, run_processes
 
-DOCS = Path(__file__).resolve().parents[3] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 OPENING_FENCE = re.compile(r"^\s*```(\S+)", re.MULTILINE)  # a closing fence has no info
 # Each page, its number of ranks, and its ```py blocks at least: a block fenced ```python by
 # mistake would run in a single process, without the process group it needs.
@@ -43,7 +43,7 @@ def run_page(page: str) -> list[dict[str, object]]:
         script = blocks(page, "py")
         try:
             _RUNS[page] = run_processes(
-                PAGES[page][0], workers.run_script, script, str(DOCS / page), timeout=120.0
+                PAGES[page][0], workers.run_script, script, str(DOCS / page), timeout=300.0
             )
         except RanksFailedError as error:
             _RUNS[page] = error  # fail every test of the page without running it again
