@@ -1,7 +1,8 @@
 """What PipelineTie adds to a pipeline step: the collectives, counted, and their bytes.
 
-A tied model of two stages is trained for a few steps on two gloo ranks started by this
-script, and in this process with both stages on one rank (a looped schedule). Each rank counts,
+A tied model of two stages is trained for a few steps on two gloo ranks, started by torch's
+elastic launcher as ``torchrun`` starts them (its rendezvous store on a port the system picks),
+and in this process with both stages on one rank (a looped schedule). Each rank counts,
 with ``CommDebugMode``, the collectives that ``PipelineTie.reduce_grads`` and
 ``pipeline_clip_grad_norm_`` issue per step, and compares the bytes of the tie's all-reduce
 with those the schedule sends between the stages. Counts do not depend on the machine, so
@@ -16,16 +17,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import socket
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -107,10 +107,11 @@ def _train(
     return out
 
 
-def _rank(rank: int, port: int, steps: int, queue: mp.Queue[Any]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _rank(steps: int) -> list[dict[str, Any]]:
+    """One rank of the two-stage pipeline, in the environment the launcher gives it."""
+    dist.init_process_group("gloo")
     try:
+        rank = dist.get_rank()
         torch.manual_seed(0)
         stage = split(StagedLM(), rank)
         tie = PipelineTie(stage)
@@ -125,29 +126,25 @@ def _rank(rank: int, port: int, steps: int, queue: mp.Queue[Any]) -> None:
                 return schedule.step(tokens)
             return schedule.step(target=targets)
 
-        queue.put((rank, _train([stage], step, tie, steps)))
+        return _train([stage], step, tie, steps)
     finally:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def two_ranks(steps: int) -> dict[int, list[dict[str, Any]]]:
     """Two stages on two ranks: what each rank counted per step."""
-    ctx = mp.get_context("spawn")
-    queue: mp.Queue[Any] = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, steps, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    return results
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=2,
+        run_id=f"pipeline-{uuid.uuid4().hex}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # port 0: the system picks a free one
+        max_restarts=0,
+        local_addr="127.0.0.1",
+    )
+    results = elastic_launch(config, _rank)(steps)
+    return {rank: results[rank] for rank in sorted(results)}
 
 
 def one_rank(steps: int) -> list[dict[str, Any]]:

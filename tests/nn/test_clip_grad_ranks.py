@@ -1,21 +1,19 @@
-"""clip_grad_norm_ over parameters on several device meshes, on 4 thread ranks.
+"""clip_grad_norm_ and pipeline_clip_grad_norm_ on thread ranks, against torch's in one process.
 
-The model is the layout that FSDP2 with tensor parallelism gives on a 2 x 2 ``(dp, tp)``
-mesh: two linear layers sharded by tensor parallelism and FSDP2 (DTensors on ``(dp, tp)``),
-a LayerNorm sharded by FSDP2 alone (DTensors on ``dp``), and a plain Parameter outside FSDP.
-torch's own ``clip_grad_norm_`` cannot stack the norms of such a mixture (pytorch#180346).
-The expected values are ``torch.nn.utils.clip_grad_norm_`` applied to the full gradients,
-gathered, in one process. FSDP2 shards 3 rows over 2 ranks: every sharding but the hidden
-width (6, split by tensor parallelism) is uneven.
+clip_grad_norm_'s model has the layout of FSDP2 with tensor parallelism on a 2 x 2 ``(dp, tp)``
+mesh: DTensors on ``(dp, tp)`` and on ``dp``, and a plain Parameter, which torch's own function
+cannot combine (pytorch#180346). Every sharding but the hidden width is uneven.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -23,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from tests.nn.ranks import run_threads
-from toolkit.nn import clip_grad_norm_
+from toolkit.nn import clip_grad_norm_, pipeline_clip_grad_norm_
 
 INF = float("inf")
 NORM_TYPES = [0.0, 1.0, 2.0, INF]
@@ -67,7 +65,9 @@ def expected_clip(
 
 
 @pytest.mark.parametrize("foreach", [None, False])
-def test_mixed_meshes_clip_as_torch_does_on_the_full_gradients(foreach: bool | None) -> None:
+def test_clip_grad_norm_over_mixed_meshes_is_torchs_over_the_full_gradients(
+    foreach: bool | None,
+) -> None:
     base = base_model()
 
     def rank_main(rank: int) -> list[float]:
@@ -87,26 +87,18 @@ def test_mixed_meshes_clip_as_torch_does_on_the_full_gradients(foreach: bool | N
                 assert type(param.grad) is type(old)  # the layout is kept
                 torch.testing.assert_close(full(param.grad), grad)  # type: ignore[arg-type]
             norms.append(norm.item())
+        # A single tensor and an empty list mean what they mean to torch.
+        params[0].grad = saved[0].clone()  # type: ignore[union-attr]
+        norm_expected, (grad_expected,) = expected_clip([full(saved[0])], 0.1, 2.0)  # type: ignore[arg-type]
+        torch.testing.assert_close(clip_grad_norm_(params[0], 0.1, foreach=foreach), norm_expected)
+        torch.testing.assert_close(full(params[0].grad), grad_expected)  # type: ignore[arg-type]
+        torch.testing.assert_close(
+            clip_grad_norm_([], 0.1), torch.nn.utils.clip_grad_norm_([], 0.1)
+        )
         return norms
 
     results = run_threads(4, rank_main)
     assert all(r == results[0] for r in results)
-
-
-def test_a_single_tensor_and_an_empty_list_mean_what_they_mean_to_torch() -> None:
-    base = base_model()
-
-    def rank_main(rank: int) -> None:
-        params = sharded_model(base, rank)
-        weight = params[0]
-        norm_expected, (grad_expected,) = expected_clip([full(weight.grad)], 0.1, 2.0)  # type: ignore[arg-type]
-        torch.testing.assert_close(clip_grad_norm_(weight, 0.1), norm_expected)
-        torch.testing.assert_close(full(weight.grad), grad_expected)  # type: ignore[arg-type]
-        empty = clip_grad_norm_([], 0.1)
-        assert empty.item() == 0.0
-        assert empty.dtype == torch.nn.utils.clip_grad_norm_([], 0.1).dtype
-
-    run_threads(4, rank_main)
 
 
 def test_a_nonfinite_norm_is_refused_on_every_rank_and_nothing_is_scaled() -> None:
@@ -130,3 +122,141 @@ def test_a_nonfinite_norm_is_refused_on_every_rank_and_nothing_is_scaled() -> No
     results: list[Any] = run_threads(4, rank_main)
     for ours, theirs in results:
         assert ours == theirs
+
+
+# pipeline_clip_grad_norm_: the norm over every stage of the pipeline group. -------------------
+
+SHAPES = [[(5, 3), (5,)], [(4, 5), (4,)], [(2, 4)]]  # the parameters of three uneven stages
+
+
+def stage_params(rank: int | None, frozen_middle: bool) -> list[nn.Parameter]:
+    """Stage ``rank``'s parameters with their gradients; every stage's if ``rank`` is None."""
+    gen = torch.Generator().manual_seed(7)
+    params = []
+    for stage, shapes in enumerate(SHAPES):
+        for shape in shapes:
+            param = nn.Parameter(torch.zeros(shape))
+            grad = torch.randn(shape, generator=gen)
+            param.grad = None if frozen_middle and stage == 1 else grad
+            if rank in (None, stage):
+                params.append(param)
+    return params
+
+
+@pytest.mark.parametrize("frozen_middle", [False, True], ids=["all", "frozen-middle"])
+@pytest.mark.parametrize("norm_type", [0.0, 1.0, 2.0, 3.0, INF])
+def test_pipeline_clipping_is_torchs_over_the_whole_model(
+    norm_type: float, frozen_middle: bool
+) -> None:
+    whole = stage_params(None, frozen_middle)
+    expected = torch.nn.utils.clip_grad_norm_(whole, 0.05, norm_type)
+    assert expected > 0.05
+
+    def rank_main(rank: int) -> torch.Tensor:
+        mine = stage_params(rank, frozen_middle)
+        # Rank 2 passes a single tensor; the ranks' foreach may differ.
+        arg = mine[0] if rank == 2 else mine
+        foreach = [None, True, False][rank]
+        norm = pipeline_clip_grad_norm_(arg, 0.05, norm_type, True, foreach, group=dist.group.WORLD)
+        offset = sum(len(shapes) for shapes in SHAPES[:rank])
+        for param, twin in zip(mine, whole[offset:], strict=False):
+            torch.testing.assert_close(param.grad, twin.grad)
+        return norm
+
+    for norm in run_threads(3, rank_main):
+        assert norm.dtype == torch.float32
+        torch.testing.assert_close(norm, expected)
+
+
+def test_pipeline_clipping_without_the_pipeline_group_on_a_larger_world_is_refused() -> None:
+    def rank_main(rank: int) -> str:
+        layer = nn.Linear(3, 2)
+        layer.weight.grad = torch.ones(2, 3)
+        with pytest.raises(ValueError, match=r"^pipeline_clip_grad_norm_") as info:
+            pipeline_clip_grad_norm_(layer.parameters(), 0.5)
+        assert torch.equal(layer.weight.grad, torch.ones(2, 3))
+        return str(info.value)
+
+    assert set(run_threads(2, rank_main)) == {
+        "pipeline_clip_grad_norm_ needs the pipeline's process group: the default group has 2 "
+        "ranks, which are one pipeline only without data or tensor parallelism. Pass group=, "
+        'such as group=mesh["pp"] (or group=dist.group.WORLD when every rank is a stage of one '
+        "pipeline), or the tie= built on that group"
+    }
+
+
+@pytest.fixture
+def reduced(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[torch.dtype]]:
+    """The dtypes each rank all-reduces; gloo's MAX made to drop a nan, as it may."""
+    log: dict[int, list[torch.dtype]] = {0: [], 1: []}
+    real = dist.all_reduce
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        log[dist.get_rank()].append(tensor.dtype)
+        if kwargs.get("op") == dist.ReduceOp.MAX:
+            tensor.nan_to_num_(nan=-INF)
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    return log
+
+
+@pytest.mark.parametrize("last", ["float64", "float32", "frozen"])
+def test_pipeline_clipping_stages_whose_gradients_differ_in_dtype_reduces_one_dtype(
+    last: str, reduced: dict[int, list[torch.dtype]]
+) -> None:
+    first = torch.tensor([3.0, 4.0, 12.0], dtype=torch.float64)
+    grads = [first, torch.tensor([1.0, 2.0], dtype=getattr(torch, last, torch.float32))]
+    counted = grads if last != "frozen" else grads[:1]
+    expected = torch.linalg.vector_norm(torch.cat([g.double() for g in counted]))
+
+    def rank_main(rank: int) -> None:
+        weight = nn.Parameter(torch.zeros_like(grads[rank]))
+        if rank == 0 or last != "frozen":
+            weight.grad = grads[rank].clone()
+        norm = pipeline_clip_grad_norm_([weight], 1e9, group=dist.group.WORLD)
+        with_float64 = weight.grad is not None and weight.grad.dtype == torch.float64
+        assert norm.dtype == (torch.float64 if with_float64 else torch.float32)
+        torch.testing.assert_close(norm.double(), expected)
+
+    run_threads(2, rank_main)
+    # gloo and NCCL need every rank to reduce one dtype; the threaded backend would not notice.
+    assert reduced[0] == reduced[1] != []
+
+
+def test_a_one_rank_pipeline_in_a_larger_world_communicates_nothing(
+    reduced: dict[int, list[torch.dtype]],
+) -> None:
+    layers = [stage_params(rank, frozen_middle=False) for rank in range(2)]
+    expected = [torch.nn.utils.clip_grad_norm_(copy.deepcopy(ps), 0.5, 3.0) for ps in layers]
+
+    def rank_main(rank: int) -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
+        return pipeline_clip_grad_norm_(copy.deepcopy(layers[rank]), 0.5, 3.0, group=mesh["pp"])
+
+    for norm, reference in zip(run_threads(2, rank_main), expected, strict=True):
+        torch.testing.assert_close(norm, reference, rtol=0, atol=0)
+    assert reduced == {0: [], 1: []}
+
+
+@pytest.mark.parametrize(
+    ("norm_type", "bad", "holder"), [(2.0, INF, 1), (INF, math.nan, 0), (INF, math.nan, 1)]
+)
+def test_a_nonfinite_gradient_on_one_rank_is_refused_on_every_rank_and_nothing_is_scaled(
+    norm_type: float, bad: float, holder: int, reduced: dict[int, list[torch.dtype]]
+) -> None:
+    def rank_main(rank: int) -> str:
+        weight = nn.Parameter(torch.zeros(3))
+        weight.grad = torch.tensor([1.0, 5.0, bad if rank == holder else 3.0])
+        before = weight.grad.clone()
+        with pytest.raises(RuntimeError, match="non-finite") as info:
+            pipeline_clip_grad_norm_(
+                weight, 1.0, norm_type, error_if_nonfinite=True, group=dist.group.WORLD
+            )
+        assert torch.equal(weight.grad.nan_to_num(), before.nan_to_num())
+        # Without the error, as torch's, the gradients are scaled by the non-finite norm.
+        norm = pipeline_clip_grad_norm_(weight, 1.0, norm_type, group=dist.group.WORLD)
+        assert norm.isnan() if math.isnan(bad) else norm.isinf()
+        return str(info.value)
+
+    assert len(set(run_threads(2, rank_main))) == 1

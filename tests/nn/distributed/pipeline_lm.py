@@ -1,9 +1,8 @@
-"""The tiny tied LM of ``tiny_lm`` cut into pipeline stages, the usual way.
+"""The tiny tied LM of ``tiny_lm`` cut into pipeline stages, and its training in one process.
 
-Each stage is a deep copy of the whole model with the modules of the other stages replaced by
-``nn.Identity`` or ``None``, so every module keeps its qualified name in the whole model and a
-checkpoint of the stages lines up with one of the whole model. The last stage keeps its copy
-of the embedding registered, and the deep copy re-ties its TiedLinear to that copy.
+Each stage is a deep copy of the whole model with the other stages' modules replaced by
+``nn.Identity`` or ``None``, so every module keeps its qualified name in the whole model; the
+last stage keeps its copy of the embedding registered, read by its head.
 """
 
 from __future__ import annotations
@@ -15,6 +14,10 @@ import torch
 from torch import nn
 
 from tests.nn.distributed.tiny_lm import LR, ReferenceLM, TinyLM, batches, initial_state, loss_fn
+
+STEPS = 3
+MICROBATCHES = 2
+MAX_NORM = 0.5  # below every step's gradient norm, so clipping always scales the gradients
 
 
 class StageLM(TinyLM):
@@ -30,18 +33,13 @@ class StageLM(TinyLM):
 
 
 def whole_model(state: dict[str, Any]) -> StageLM:
-    """The whole model, holding ``state``."""
     model = StageLM()
     model.load_state_dict(state)
     return model
 
 
 def split(model: StageLM, stage_index: int, num_stages: int) -> StageLM:
-    """Stage ``stage_index`` of ``num_stages``: block ``i`` runs on stage ``i * stages // blocks``.
-
-    The first stage drops the output; the others do not look tokens up, and the last keeps
-    the embedding registered for its head.
-    """
+    """Stage ``stage_index`` of ``num_stages``: block ``i`` on stage ``i * stages // blocks``."""
     stage = copy.deepcopy(model)
     n_blocks = len(stage.blocks)
     for i in range(n_blocks):
@@ -56,31 +54,43 @@ def split(model: StageLM, stage_index: int, num_stages: int) -> StageLM:
     return stage
 
 
-# Training: the expected values, written out without the code under test. -----------------
-
-STEPS = 3
-MICROBATCHES = 2
-MAX_NORM = 0.5  # below every step's gradient norm, so clipping always scales the gradients
+def stages_of(seed: int, num_stages: int) -> list[StageLM]:
+    model = whole_model(initial_state(seed=seed))
+    return [split(model, i, num_stages) for i in range(num_stages)]
 
 
-def reference_pipeline_training(
-    replicas: int = 1, steps: int = STEPS, max_norm: float = MAX_NORM
-) -> dict[str, Any]:
-    """Train ``ReferenceLM`` in one process as the pipeline should, with clipping.
+def random_grads(stages: list[StageLM], seed: int) -> list[dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)
+    return [{n: torch.randn_like(p) for n, p in stage.named_parameters()} for stage in stages]
 
-    Each step's global batch (``batches(2)``, four rows) is split among ``replicas``
-    data-parallel replicas and each replica's rows into ``MICROBATCHES`` microbatches; the loss
-    is the mean of the microbatch losses, which all have the same size.
 
-    Returns:
-        ``losses[step]``, the loss of each microbatch in replica-major order; ``norms[step]``,
-        the total gradient norm before clipping; and ``state``, the final state.
+def whole_clip(
+    stages: list[StageLM], grads: list[dict[str, torch.Tensor]], norm_type: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """torch's clip to 0.5 of the whole model: each name once, a tied weight the copies' sum."""
+    twins: dict[str, nn.Parameter] = {}
+    for stage, stage_grads in zip(stages, grads, strict=True):
+        for name, param in stage.named_parameters():
+            if name not in twins:
+                twins[name] = nn.Parameter(torch.zeros_like(param))
+                twins[name].grad = torch.zeros_like(param)
+            twins[name].grad += stage_grads[name]  # type: ignore[operator]
+    norm = torch.nn.utils.clip_grad_norm_(twins.values(), 0.5, norm_type)
+    assert norm > 0.5  # clipping scales
+    return norm, {name: twin.grad for name, twin in twins.items()}  # type: ignore[misc]
+
+
+def reference_pipeline_training(replicas: int = 1) -> dict[str, Any]:
+    """``ReferenceLM`` trained with clipping as the pipeline should, without PipelineTie.
+
+    Each step's batch is split among ``replicas`` and each replica's rows into
+    ``MICROBATCHES``; ``losses[step]`` holds the microbatches' losses, replica-major.
     """
     model = ReferenceLM()
     model.load_state_dict(initial_state())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms = [], []
-    for idx, targets in batches(2, steps):
+    for idx, targets in batches(2, STEPS):
         chunks = replicas * MICROBATCHES
         per_mb = [
             loss_fn(model(i), t)
@@ -88,7 +98,7 @@ def reference_pipeline_training(
         ]
         opt.zero_grad()
         torch.stack(per_mb).mean().backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         opt.step()
         losses.append([loss.item() for loss in per_mb])
     return {"losses": losses, "norms": norms, "state": model.state_dict()}
