@@ -120,10 +120,10 @@ def with_aux(stage: nn.Module) -> nn.Module:
     return stage
 
 
-@pytest.mark.parametrize("pass_group", [True, False], ids=["group", "tie-group"])
+@pytest.mark.parametrize("clip_over", ["group", "tie-group", "world"])
 @pytest.mark.parametrize("kind", ["subgroup", "mesh"])
 def test_two_pipelines_on_their_own_groups_do_not_mix(
-    kind: str, pass_group: bool, calls: dict[int, list[str]]
+    kind: str, clip_over: str, calls: dict[int, list[str]]
 ) -> None:
     pipelines = [stages_of(seed, 2) for seed in (0, 1)]
     pipelines[1][1] = with_aux(pipelines[1][1])  # pipeline 1 ties one more module
@@ -150,12 +150,18 @@ def test_two_pipelines_on_their_own_groups_do_not_mix(
             for name, param in stage.named_parameters():
                 param.grad = grads[p][s][name].clone()
             tie.reduce_grads()
-            # Without group=, the tie's group is the pipeline: not the world of 4 ranks.
-            clip_group = group if pass_group else None
+            # Without group=, the tie's group is the pipeline: not the world of 4 ranks. An
+            # explicit group wins over the tie's: over the world, both pipelines count.
+            clip_group = {"group": group, "tie-group": None, "world": dist.group.WORLD}
             norm = pipeline_clip_grad_norm_(
-                stage.parameters(), 0.5, norm_type, group=clip_group, tie=tie
+                stage.parameters(), 0.5, norm_type, group=clip_group[clip_over], tie=tie
             )
             expected_norm, expected_grads = expected[p, norm_type]
+            if clip_over == "world":
+                both = torch.stack([expected[0, norm_type][0], expected[1, norm_type][0]])
+                union = both.sum() if norm_type == 0 else torch.linalg.vector_norm(both, norm_type)
+                torch.testing.assert_close(norm, union)
+                continue
             torch.testing.assert_close(norm, expected_norm)
             for name, param in stage.named_parameters():
                 torch.testing.assert_close(param.grad, expected_grads[name], msg=name)
