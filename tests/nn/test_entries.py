@@ -1,4 +1,4 @@
-"""create_entries in one process, a DCP resume end to end, and what both functions refuse.
+"""create_entries in one process, and what both entry functions refuse on one rank.
 
 sync_entries across ranks is tested in ``test_sync_entries_ranks.py``.
 """
@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import functools
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -56,12 +54,8 @@ def test_creates_the_named_entries_nested_ones_included_in_key_order() -> None:
     ]
     created = create_entries(model, keys, prefix="model.")
     assert created == ["heads.b", "outer.x", "outer.x.inner.y", "heads.a"]
-    assert _entry_names(model) == {
-        "heads": ["b", "a"],
-        "outer": ["x"],
-        "outer.x.inner": ["y"],
-        "closed": ["kept"],
-    }
+    names = {"heads": ["b", "a"], "outer": ["x"], "outer.x.inner": ["y"], "closed": ["kept"]}
+    assert _entry_names(model) == names
     assert create_entries(model, keys, prefix="model.") == []
 
 
@@ -171,28 +165,6 @@ def test_a_factory_returning_a_non_module_is_a_type_error() -> None:
     with pytest.raises(TypeError, match=r"it must return an nn\.Module instance$"):
         create_entries(model, ["heads.a.weight"])
     assert list(model.heads) == []
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP warns that no process group is set
-def test_a_dcp_resume_into_a_fresh_model_restores_every_entry(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    trained = Model()
-    for name in ("alpha", "beta"):
-        trained.heads[name]
-    trained.outer["x"].inner["y"]
-    dcp.save({"model": trained.state_dict(), "step": 3}, checkpoint_id=tmp_path)
-
-    torch.manual_seed(1)
-    fresh = Model()
-    metadata = dcp.FileSystemReader(tmp_path).read_metadata()
-    created = create_entries(fresh, metadata.state_dict_metadata, prefix="model.")
-    assert created == ["heads.alpha", "heads.beta", "outer.x", "outer.x.inner.y"]
-    state = {"model": fresh.state_dict()}
-    dcp.load(state, checkpoint_id=tmp_path)
-    fresh.load_state_dict(state["model"], strict=True)
-    assert list(fresh.state_dict()) == list(trained.state_dict())
-    for name, tensor in trained.state_dict().items():
-        assert torch.equal(fresh.state_dict()[name], tensor), name
 
 
 # Wrapped models are refused -------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """sync_entries on 2 and 3 threaded ranks of one process, against values written out here.
 
-Each rank's model is built in the calling thread with its own seed, so an entry that several
+Each rank builds its model from the one generator the threads share, so an entry that several
 ranks hold differs between them until the call. Afterwards every rank holds the union, in
 rank order, each entry's tensors from the lowest rank that had it (the innermost entry
 deciding), everything else its own. A call that is refused raises on every rank and changes
@@ -264,59 +264,27 @@ def _refused_model(case: str, rank: int) -> nn.Module:
     return model
 
 
-CREATED_NONE = "sync_entries created no entry: "
+NONE = "sync_entries created no entry: "
 DIFFER = "build the entries alike on every rank"
-REFUSED: dict[str, tuple[int, type[Exception], list[str]]] = {
-    # id: (world size, the error, the facts its message names)
-    "dtensor": (
-        3,
-        ValueError,
-        ["rank 0: parameter heads.a.weight is a DTensor", "rank 2: parameter trunk.weight"],
-    ),
-    "aliased": (2, ValueError, ["rank 0: heads.a and heads.b are one module"]),
-    "failed-creation": (
-        3,
-        RuntimeError,
-        [CREATED_NONE, "rank 1: RuntimeError('no outer entry", "rank 2: KeyError('b')"],
-    ),
-    "module-dict": (2, RuntimeError, [CREATED_NONE, "rank 1: TypeError(\"'heads' is a ModuleDict"]),
-    "meta-on-some-ranks": (
-        2,
-        ValueError,
-        [CREATED_NONE, "heads.a.bias, heads.a.weight, heads.b.bias", "meta device on some ranks"],
-    ),
-    "dtype": (
-        3,
-        ValueError,
-        [
-            "entry heads.a: weight is torch.bfloat16 of shape (2, 2) on rank 0 but torch.float32",
-            "rank 2",
-            DIFFER,
-        ],
-    ),
-    "shape": (
-        2,
-        ValueError,
-        ["weight is torch.float32 of shape (2, 3) on rank 0 but torch.float32 of shape (3, 2)"],
-    ),
-    "missing-tensor": (
-        2,
-        ValueError,
-        ["entry heads.a: bias is torch.float32 of shape (2,) on rank 0 but missing on rank 1"],
-    ),
-    "created-in-another-dtype": (
-        2,
-        ValueError,
-        [CREATED_NONE, "entry heads.a", "; entry heads.b", "torch.bfloat16", DIFFER],
-    ),
+REFUSED = {
+    # id: (world size, facts the message names)
+    "dtensor": (3, ["rank 0: parameter heads.a.weight is a DTensor", "rank 2: parameter trunk"]),
+    "aliased": (2, ["rank 0: heads.a and heads.b are one module"]),
+    "failed-creation": (3, [NONE, "rank 1: RuntimeError('no outer", "rank 2: KeyError('b')"]),
+    "module-dict": (2, [NONE, "rank 1: TypeError(\"'heads' is a ModuleDict"]),
+    "meta-on-some-ranks": (2, [NONE, "heads.a.bias, heads.a.weight, heads.b.bias", "meta device"]),
+    "dtype": (3, ["heads.a: weight is torch.bfloat16 of shape (2, 2) on rank 0", "rank 2", DIFFER]),
+    "shape": (2, ["of shape (2, 3) on rank 0 but torch.float32 of shape (3, 2) on rank 1"]),
+    "missing-tensor": (2, ["heads.a: bias is torch.float32 of shape (2,) on rank 0 but missing"]),
+    "created-in-another-dtype": (2, [NONE, "entry heads.a", "; entry heads.b", "bfloat16", DIFFER]),
 }
-# The ranks whose own failure each rank that failed raises from.
+# Where creating failed: a RuntimeError, raised on the ranks that failed from their failure.
 CAUSED = {"failed-creation": (1, 2), "module-dict": (1,)}
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_a_refused_call_raises_on_every_rank_and_changes_nothing(case: str) -> None:
-    world_size, error, facts = REFUSED[case]
+    world_size, facts = REFUSED[case]
     results = _sync(functools.partial(_refused_model, case), world_size)
     messages = {r["outcome"][1] for r in results}
     assert len(messages) == 1, messages
@@ -327,7 +295,7 @@ def test_a_refused_call_raises_on_every_rank_and_changes_nothing(case: str) -> N
     assert "heads.only" not in message  # an entry that one rank alone has is no difference
     for rank, result in enumerate(results):
         kind, _, cause = result["outcome"]
-        assert kind is error
+        assert kind is (RuntimeError if case in CAUSED else ValueError)
         # A rank whose creation failed raises from its own failure.
         assert (cause != "None") == (rank in CAUSED.get(case, ())), rank
         assert cause == "None" or f"rank {rank}: {cause}" in message, (rank, cause)
@@ -367,8 +335,11 @@ def _task_model(rank: int) -> TaskLM:
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_synced_entries_train_under_ddp_and_fsdp2_like_one_process(kind: str) -> None:
-    """Three ranks: FSDP2 splits the vocabulary of 17 unevenly (6, 6 and 5 rows)."""
+def test_synced_entries_train_under_ddp_and_fsdp2_like_one_process(
+    kind: str, tmp_path: Path
+) -> None:
+    """Three ranks: FSDP2 splits the vocabulary of 17 unevenly (6, 6 and 5 rows). Saved with
+    DCP, the sharded model resumes into a fresh one that creates its entries from the keys."""
     models = [_task_model(rank) for rank in range(3)]
 
     def rank_main(rank: int) -> dict[str, Any]:
@@ -377,36 +348,13 @@ def test_synced_entries_train_under_ddp_and_fsdp2_like_one_process(kind: str) ->
         model.adapters.default_factory = None
         wrapped: nn.Module = DistributedDataParallel(model) if kind == "ddp" else model
         if kind == "fsdp2":
-            for block in model.blocks:
-                fully_shard(block)
             fully_shard(model)
         losses, states = train(wrapped, 3)
         with pytest.raises(KeyError, match="late"):  # the closed dict refuses a miss
             model.adapters["late"]
-        return {"keys": list(model.adapters), "losses": losses, "states": states}
-
-    expected = reference_training(3, ReferenceTaskLM)
-    for rank, result in enumerate(run_threads(3, rank_main)):
-        assert result["keys"] == ["a", "b"]
-        close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5)
-        close(result["losses"], [step[rank] for step in expected["losses"]])
-        for got, want in zip(result["states"], expected["states"], strict=True):
-            assert list(got) == list(want)
-            for key, value in want.items():
-                close(got[key], value, msg=key)
-
-
-def test_a_dcp_resume_under_fsdp2_restores_every_entry(tmp_path: Path) -> None:
-    """Trained and saved sharded on 2 ranks; a fresh model creates its entries from the keys."""
-    full = StateDictOptions(full_state_dict=True)
-
-    def rank_main(rank: int) -> dict[str, Any]:
-        model = TaskLM()
-        model.load_state_dict(initial_state(ReferenceTaskLM))  # creates both adapters
-        fully_shard(model)
-        train(model, 2)
+        if kind == "ddp":
+            return {"keys": list(model.adapters), "losses": losses, "states": states}
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp_path)
-        torch.manual_seed(300 + rank)
         fresh = TaskLM()
         keys = dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata
         created = create_entries(fresh, keys, prefix="model.")
@@ -414,15 +362,18 @@ def test_a_dcp_resume_under_fsdp2_restores_every_entry(tmp_path: Path) -> None:
         loaded = {"model": get_model_state_dict(fresh)}
         dcp.load(loaded, checkpoint_id=tmp_path)
         set_model_state_dict(fresh, loaded["model"])
-        trained = get_model_state_dict(model, options=full)
-        return {
-            "created": created,
-            "trained": trained,
-            "resumed": get_model_state_dict(fresh, options=full),
-        }
+        resumed = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True))
+        states.append(resumed)  # must equal the last state
+        return {"keys": created, "losses": losses, "states": states}
 
-    for result in run_threads(2, rank_main):
-        assert result["created"] == ["adapters.a", "adapters.b"]
-        assert list(result["resumed"]) == list(result["trained"])
-        for key, value in result["trained"].items():
-            assert torch.equal(result["resumed"][key], value), key
+    expected = reference_training(3, ReferenceTaskLM)
+    if kind == "fsdp2":
+        expected["states"].append(expected["states"][-1])
+    for rank, result in enumerate(run_threads(3, rank_main)):
+        assert result["keys"] == (["a", "b"] if kind == "ddp" else ["adapters.a", "adapters.b"])
+        close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5)
+        close(result["losses"], [step[rank] for step in expected["losses"]])
+        for got, want in zip(result["states"], expected["states"], strict=True):
+            assert list(got) == list(want)
+            for key, value in want.items():
+                close(got[key], value, msg=key)
