@@ -175,20 +175,22 @@ def test_a_weight_sharded_on_its_width_gives_logits_in_flight_but_no_chunked_los
     tokens = X.flatten(0, 1)
     target = torch.randint(0, VOCAB, (BATCH * SEQ,))
 
-    def rank_main(rank: int) -> tuple[torch.Tensor, str]:
+    def rank_main(rank: int) -> tuple[torch.Tensor, list[str], str]:
         mesh = init_device_mesh("cpu", (2,))
         emb = copy.deepcopy(EMB)
         emb.weight = nn.Parameter(distribute_tensor(emb.weight.detach(), mesh, [Shard(1)]))
         head = TiedLinear(emb)
         style = TiedLinearParallel(output_layouts=Replicate(), use_local_output=True)
         parallelize_module(head.linear, mesh, style)
-        logits = head(tokens)
+        with _Collectives() as forward:
+            logits = head(tokens)
         with pytest.raises(RuntimeError) as info:
             TiedLinear(emb).cross_entropy(tokens, target)
-        return logits, " ".join(str(info.value).split())
+        return logits, forward.ops, " ".join(str(info.value).split())
 
-    for logits, message in run_threads(2, rank_main):
+    for logits, collectives, message in run_threads(2, rank_main):
         assert type(logits) is AsyncCollectiveTensor
+        assert collectives == ["all_reduce"]  # of the full logits
         torch.testing.assert_close(logits.detach(), F.linear(tokens, EMB.weight).detach())
         facts = (
             "Embedding(17, 8)",
