@@ -138,7 +138,8 @@ def test_keys_that_match_nothing_are_an_error_naming_the_prefix_that_would(
         create_entries(model, keys.split(), prefix=prefix)
     message = str(info.value)
     first, *rest = keys.split()
-    for fact in (f"{len(rest) + 1} keys", repr(first), f"prefix {prefix!r} is removed"):
+    removed = f"prefix {prefix!r} is removed, so a resume would restore nothing of it; "
+    for fact in (f"{len(rest) + 1} keys", repr(first), removed):
         assert fact in message
     if fix is None:
         assert message.endswith("pass the keys of a checkpoint of this model")

@@ -71,10 +71,13 @@ def test_the_style_on_another_module_names_its_type_and_the_right_module(
 def test_a_tied_module_left_unsharded_names_the_cause_and_both_fixes(one_rank: DeviceMesh) -> None:
     head = TiedLinear(nn.Embedding(17, 8))
     parallelize_module(head.linear, one_rank, TiedLinearParallel())
-    with pytest.raises(RuntimeError, match="weight of the tied module is a plain tensor") as info:
+    with pytest.raises(RuntimeError, match=r"^TiedLinearParallel prepared the head") as info:
         head(torch.randn(2, 8))
-    for fix in ("RowwiseParallel on the embedding", "remove TiedLinearParallel from head.linear"):
-        assert fix in str(info.value)
+    assert "the weight of the tied module is a plain tensor" in str(info.value)
+    assert "(RowwiseParallel on the embedding shards its weight on the vocabulary)" in str(
+        info.value
+    )
+    assert str(info.value).endswith("or remove TiedLinearParallel from head.linear.")
 
 
 def test_logits_sharded_on_their_last_dimension_are_refused_as_a_local_tensor(

@@ -157,18 +157,6 @@ def test_the_head_computes_the_one_process_logits_and_gradients(
         torch.testing.assert_close(result["x_grad"], x_grad_1 if given == "x" else parts)
 
 
-def test_a_replicated_input_is_trusted_as_given_not_checked_or_broadcast() -> None:
-    """As torch's own styles do: each rank multiplies the input it was given."""
-
-    def rank_main(rank: int) -> torch.Tensor:
-        head, _ = _parallel_head(TiedLinearParallel(), init_device_mesh("cpu", (2,)))
-        with torch.no_grad():
-            return head(X + rank).to_local()
-
-    for rank, local in enumerate(run_threads(2, rank_main)):
-        torch.testing.assert_close(local, F.linear(X + rank, EMB.weight[VOCAB_ROWS[rank]]))
-
-
 def test_a_weight_sharded_on_its_width_gives_logits_in_flight_but_no_chunked_loss() -> None:
     """Shard(1) makes partial logits, reduced over the ranks and returned in flight;
     cross_entropy needs the vocabulary whole or sharded (Shard(0)), and says so."""
