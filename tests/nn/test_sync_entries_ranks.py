@@ -268,7 +268,13 @@ NONE = "sync_entries created no entry: "
 DIFFER = "build the entries alike on every rank"
 REFUSED = {
     # id: (world size, facts the message names)
-    "dtensor": (3, ["rank 0: parameter heads.a.weight is a DTensor", "rank 2: parameter trunk"]),
+    "dtensor": (
+        3,
+        [
+            "rank 0: parameter heads.a.weight is a DTensor",
+            "before fully_shard; rank 2: parameter trunk",
+        ],
+    ),
     "aliased": (
         2,
         ["rank 0: heads.a and heads.b are one module", "lack it would create a separate"],
