@@ -183,7 +183,7 @@ def test_both_refuse_a_wrapped_model_naming_the_wrapper(wrap: Any, wrapper: str)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         wrapped = wrap(model)
-    fix = f"wrapped by {wrapper}.*create the entries before wrapping$"
+    fix = f"the module is wrapped by {wrapper}, .*; create the entries before wrapping$"
     with pytest.raises(ValueError, match=f"^create_entries: .*{fix}"):
         create_entries(wrapped, ["heads.b.weight"])
     with pytest.raises(ValueError, match=f"^sync_entries: rank 0: .*{fix}"):

@@ -125,9 +125,7 @@ def _the_dict_itself(rank: int) -> nn.Module:
     return heads
 
 
-class Pair(nn.Module):
-    """Two parameters, registered in either order."""
-
+class Pair(nn.Module):  # two parameters, registered in either order
     def __init__(self, flip: bool) -> None:
         super().__init__()
         for name in ["q", "p"] if flip else ["p", "q"]:
@@ -265,27 +263,26 @@ def _refused_model(case: str, rank: int) -> nn.Module:
 
 
 NONE = "sync_entries created no entry: "
-DIFFER = "build the entries alike on every rank"
+FAILED = NONE + "creating the missing entries failed on rank 1: "
+META = "are on the meta device on some ranks only; move or materialise the model"
+ALIKE = "the same factory and the model cast alike before they are created"
 REFUSED = {
-    # id: (world size, facts the message names)
+    # id: (world size, facts the message names, the last one its end)
     "dtensor": (
         3,
-        [
-            "rank 0: parameter heads.a.weight is a DTensor",
-            "before fully_shard; rank 2: parameter trunk",
-        ],
+        ["rank 0: parameter heads.a.weight", "; rank 2: parameter trunk", "fully_shard"],
     ),
-    "aliased": (
+    "aliased": (2, ["rank 0: heads.a and heads.b are one", "would create a separate", "one name"]),
+    "failed-creation": (3, [FAILED + "RuntimeError('no outer", "'); rank 2: KeyError('b')"]),
+    "module-dict": (2, [FAILED + "TypeError(\"'heads' is a ModuleDict", 'ModuleDefaultDict")']),
+    "meta-on-some-ranks": (2, [NONE + "heads.a.bias, heads.a.weight, heads.b.bias", META, "rank"]),
+    "dtype": (3, ["heads.a: weight is torch.bfloat16 of shape (2, 2) on rank 0", "rank 2", ALIKE]),
+    "shape": (2, ["of shape (2, 3) on rank 0 but torch.float32 of shape (3, 2) on rank 1", ALIKE]),
+    "missing-tensor": (
         2,
-        ["rank 0: heads.a and heads.b are one module", "lack it would create a separate"],
+        ["heads.a: bias is torch.float32 of shape (2,) on rank 0 but missing", ALIKE],
     ),
-    "failed-creation": (3, [NONE, "rank 1: RuntimeError('no outer", "rank 2: KeyError('b')"]),
-    "module-dict": (2, [NONE, "rank 1: TypeError(\"'heads' is a ModuleDict"]),
-    "meta-on-some-ranks": (2, [NONE, "heads.a.bias, heads.a.weight, heads.b.bias", "meta device"]),
-    "dtype": (3, ["heads.a: weight is torch.bfloat16 of shape (2, 2) on rank 0", "rank 2", DIFFER]),
-    "shape": (2, ["of shape (2, 3) on rank 0 but torch.float32 of shape (3, 2) on rank 1"]),
-    "missing-tensor": (2, ["heads.a: bias is torch.float32 of shape (2,) on rank 0 but missing"]),
-    "created-in-another-dtype": (2, [NONE, "entry heads.a", "; entry heads.b", "bfloat16", DIFFER]),
+    "created-in-another-dtype": (2, [NONE, "entry heads.a", "; entry heads.b", "bfloat16", ALIKE]),
 }
 # Where creating failed: a RuntimeError, raised on the ranks that failed from their failure.
 CAUSED = {"failed-creation": (1, 2), "module-dict": (1,)}
@@ -301,8 +298,8 @@ def test_a_refused_call_raises_on_every_rank_and_changes_nothing(case: str) -> N
     assert message.startswith("sync_entries")
     for fact in facts:
         assert fact in message, fact
+    assert message.endswith(facts[-1])
     assert "heads.only" not in message  # an entry that one rank alone has is no difference
-    assert case != "aliased" or message.endswith(": register each entry under one name")
     for rank, result in enumerate(results):
         kind, _, cause = result["outcome"]
         assert kind is (RuntimeError if case in CAUSED else ValueError)

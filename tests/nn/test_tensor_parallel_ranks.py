@@ -192,8 +192,10 @@ def test_a_weight_sharded_on_its_width_gives_logits_in_flight_but_no_chunked_los
 # The tied LM trains as in one process --------------------------------------------------------
 
 
-def _parallelise(model: TinyLM, mesh: DeviceMesh, config: str) -> TinyLM:
-    """torch's tensor-parallel plan for the trunk, and the head's ``config``; FSDP2 on 2-D."""
+def _build(mesh: DeviceMesh, config: str, seed: int = 0) -> TinyLM:
+    """The tied LM: torch's tensor-parallel plan, the head's ``config``, FSDP2 on a 2-D mesh."""
+    model = TinyLM()
+    model.load_state_dict(STATES[seed])
     tp_mesh = mesh["tp"] if mesh.ndim == 2 else mesh
     sp = config.startswith("sequence")
     trunk_out = Shard(1) if sp else Replicate()
@@ -221,12 +223,6 @@ def _parallelise(model: TinyLM, mesh: DeviceMesh, config: str) -> TinyLM:
     if mesh.ndim == 2:
         fully_shard(model, mesh=mesh["dp"])
     return model
-
-
-def _build(mesh: DeviceMesh, config: str, seed: int = 0) -> TinyLM:
-    model = TinyLM()
-    model.load_state_dict(STATES[seed])
-    return _parallelise(model, mesh, config)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
