@@ -1,14 +1,10 @@
 """sync_entries on 2 and 3 threaded ranks of one process, against values written out here.
 
-Each rank's model is built in the calling thread with its own seed, so an entry that
-several ranks hold differs between them until the call; the expected state of every rank is
-assembled from those models: each entry's tensors from the lowest rank that had it (the
-innermost entry deciding), everything else from the rank itself. The ranks hold uneven,
-overlapping sets of entries, nested ones, integer buffers and a non-contiguous parameter.
-Also proven: a process group of some ranks only (its ranks counted in the group, not the
-world), and the whole errors that every rank raises when one rank cannot take part: a
-DTensor parameter, a failed creation (with every created entry removed again), and meta
-tensors on some ranks only.
+Each rank builds its model from the one generator the threads share, so an entry that several
+ranks hold differs between them until the call. Afterwards every rank holds the union, in
+rank order, each entry's tensors from the lowest rank that had it (the innermost entry
+deciding), everything else its own. A call that is refused raises on every rank and changes
+nothing on any.
 """
 
 from __future__ import annotations
@@ -16,50 +12,102 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate
+from torch.nn.parallel import DistributedDataParallel
 
-from tests.nn.distributed.entries_checks import Heads as Model
-from tests.nn.distributed.entries_checks import Inner, _state
+from tests.nn.distributed.tiny_lm import ReferenceTaskLM, TaskLM, initial_state, reference_training
+from tests.nn.distributed.workers import train
 from tests.nn.ranks import run_threads
-from toolkit.nn import ModuleDefaultDict, sync_entries
-from toolkit.nn._entries import _BUILD_ALIKE
+from toolkit.nn import ModuleDefaultDict, create_entries, sync_entries
 
 
-def _entry_names(model: Model) -> dict[str, list[str]]:
-    names = {"heads": list(model.heads), "outer": list(model.outer)}
-    for key, entry in model.outer.items():
-        names[f"outer.{key}.inner"] = list(entry.inner)
-    return names
+class Inner(nn.Module):
+    """An entry holding a parameter, an integer buffer and a dict of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+        self.register_buffer("count", torch.tensor([0]))
+        self.inner = ModuleDefaultDict(functools.partial(nn.Linear, 2, 2))
 
 
-def _models(build: Callable[[int], nn.Module], world_size: int) -> list[nn.Module]:
-    """Each rank's model, built here in turn with its own seed."""
-    models = []
-    for rank in range(world_size):
-        torch.manual_seed(100 + rank)
-        models.append(build(rank))
-    return models
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(2, 2)
+        self.heads = ModuleDefaultDict(functools.partial(nn.Linear, 2, 2))
+        self.outer = ModuleDefaultDict(Inner)
 
 
-def _assert_states_equal(actual: dict[str, torch.Tensor], expected: dict[str, Any]) -> None:
+def _snapshot(model: nn.Module) -> tuple[dict[str, list[str]], dict[str, torch.Tensor]]:
+    """Every dict's entry names, and the state (local parts of DTensors, meta as meta)."""
+    names = {n: list(d) for n, d in model.named_modules() if isinstance(d, ModuleDefaultDict)}
+    state = {
+        k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }
+    return names, state
+
+
+def _assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert list(actual) == list(expected)
     for key, tensor in expected.items():
-        assert torch.equal(actual[key], tensor), key
+        assert actual[key].device == tensor.device, key
+        assert tensor.is_meta or torch.equal(actual[key], tensor), key
 
 
-# Values, order and what each rank created -----------------------------------------------------
+def _with_heads(*per_rank: str | list[str]) -> Callable[[int], nn.Module]:
+    """Models whose rank r creates the heads per_rank[r] names."""
+
+    def build(rank: int) -> nn.Module:
+        model = Model()
+        for key in per_rank[rank]:
+            model.heads[key]
+        return model
+
+    return build
 
 
-def _uneven(rank: int) -> Model:
-    model = Model()
-    for key in (["a", "s"], ["s", "b"], ["c", "a"])[rank]:
-        model.heads[key]
+def _sync(
+    build: Callable[[int], nn.Module], world_size: int, groups: list[list[int]] | None = None
+) -> list[dict[str, Any]]:
+    """Run sync_entries on each rank's model ``build(rank)``, in the group of ``groups`` that
+    holds the rank: what it returned or raised, and the snapshots before and after."""
+
+    def rank_main(rank: int) -> dict[str, Any]:
+        made = [dist.new_group(ranks) for ranks in groups or []]
+        holding = [g for g, ranks in zip(made, groups or [], strict=True) if rank in ranks]
+        group = (holding or made or [None])[0]  # a rank in no group is given the first
+        model = build(rank)  # values drawn on every rank from one generator: they differ
+        before = _snapshot(model)
+        try:
+            outcome: Any = sync_entries(model, group)
+        except (RuntimeError, ValueError) as error:
+            outcome = (type(error), str(error), repr(error.__cause__))
+        return {"outcome": outcome, "before": before, "after": _snapshot(model)}
+
+    return run_threads(world_size, rank_main)
+
+
+# The union, in rank order, valued by the lowest owner ------------------------------------------
+
+
+def _nested(rank: int) -> nn.Module:
+    model = _with_heads(["a", "s"], ["s", "b"], ["c", "a"])(rank)
     if rank < 2:
         model.outer["x"].count += rank + 1
     if rank == 1:
@@ -70,255 +118,77 @@ def _uneven(rank: int) -> Model:
     return model
 
 
-def test_three_ranks_end_with_the_union_in_rank_order_valued_by_the_lowest_owner() -> None:
-    models = _models(_uneven, 3)
-    assert not models[1].heads["s"].weight.is_contiguous()
-    before = [_state(m) for m in models]
+def _the_dict_itself(rank: int) -> nn.Module:
+    heads = ModuleDefaultDict(functools.partial(nn.Linear, 2, 2))
+    for key in (["b", "a"], ["a", "c"])[rank]:
+        heads[key]
+    return heads
 
-    def rank_main(rank: int) -> dict[str, Any]:
-        model = copy.deepcopy(models[rank])
-        created = sync_entries(model)
-        return {"created": created, "names": _entry_names(model), "state": _state(model)}
 
-    results = run_threads(3, rank_main)
+class Pair(nn.Module):  # two parameters, registered in either order
+    def __init__(self, flip: bool) -> None:
+        super().__init__()
+        for name in ["q", "p"] if flip else ["p", "q"]:
+            self.register_parameter(name, nn.Parameter(torch.randn(2 if name == "p" else 3)))
 
-    assert [r["created"] for r in results] == [
-        ["heads.b", "outer.z", "outer.x.inner.y", "heads.c"],
-        ["heads.a", "heads.c"],
-        ["heads.s", "outer.x", "heads.b", "outer.z", "outer.x.inner.y"],
-    ]
-    names = {
-        "heads": ["a", "s", "b", "c"],
-        "outer": ["x", "z"],
-        "outer.x.inner": ["y"],
-        "outer.z.inner": [],
-    }
-    owner_of = {
-        "heads.a": 0,
-        "heads.s": 0,
-        "heads.b": 1,
-        "heads.c": 2,
-        "outer.x.proj": 0,
-        "outer.x.count": 0,
-        "outer.x.inner.y": 1,
-        "outer.z": 1,
-    }
-    keys = [
-        *(f"heads.{h}.{p}" for h in "asbc" for p in ("weight", "bias")),
-        "outer.x.count",
-        "outer.x.proj.weight",
-        "outer.x.proj.bias",
-        "outer.x.inner.y.weight",
-        "outer.x.inner.y.bias",
-        "outer.z.count",
-        "outer.z.proj.weight",
-        "outer.z.proj.bias",
-    ]
+
+NESTED = {"heads": ["a", "s", "b", "c"], "outer": ["x", "z"], "outer.x.inner": ["y"]}
+UNION = {
+    # id: (build, groups, what each rank creates, each rank's dicts' entries afterwards)
+    "nested": (
+        _nested,
+        None,
+        [
+            ["heads.b", "outer.z", "outer.x.inner.y", "heads.c"],
+            ["heads.a", "heads.c"],
+            ["heads.s", "outer.x", "heads.b", "outer.z", "outer.x.inner.y"],
+        ],
+        [NESTED] * 3,
+    ),
+    "the-dict-itself": (_the_dict_itself, None, [["c"], ["b"]], [{"": ["b", "a", "c"]}] * 2),
+    # Group rank 1 is world rank 2: the owner of "b" must be taken as a rank of the group.
+    "groups": (
+        _with_heads(["p", "q"], ["a"], ["b"]),
+        [[0], [1, 2]],
+        [[], ["heads.b"], ["heads.a"]],
+        [{"heads": ["p", "q"]}, {"heads": ["a", "b"]}, {"heads": ["a", "b"]}],
+    ),
+    "registered-in-another-order": (
+        lambda rank: ModuleDefaultDict(None, {"a": Pair(flip=rank == 1)}),
+        None,
+        [[], []],
+        [{"": ["a"]}] * 2,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNION))
+def test_every_rank_ends_with_the_union_in_rank_order_valued_by_the_lowest_owner(
+    case: str,
+) -> None:
+    build, groups, created, names = UNION[case]
+    results = _sync(build, len(created), groups)
+    befores = [r["before"] for r in results]
     for rank, result in enumerate(results):
-        assert result["names"] == names, rank
-        expected = {k: before[rank][k] for k in ("trunk.weight", "trunk.bias")}
-        for key in keys:
-            owner = next(o for prefix, o in owner_of.items() if key.startswith(prefix))
-            expected[key] = before[owner][key]
-        _assert_states_equal(result["state"], expected)
-    # The values really differed before: the seeds, and the counts 1 and 2.
-    assert not torch.equal(before[0]["heads.s.weight"], before[1]["heads.s.weight"])
-    assert [s["outer.x.count"].item() for s in before[:2]] == [1, 2]
-
-
-def test_the_module_itself_can_be_the_dict() -> None:
-    def build(rank: int) -> nn.Module:
-        heads = ModuleDefaultDict(functools.partial(nn.Linear, 2, 2))
-        for key in (["b", "a"], ["a", "c"])[rank]:
-            heads[key]
-        return heads
-
-    models = _models(build, 2)
-    before = [_state(m) for m in models]
-
-    def rank_main(rank: int) -> tuple[list[str], list[str], dict[str, torch.Tensor]]:
-        heads = copy.deepcopy(models[rank])
-        created = sync_entries(heads)
-        return created, list(heads), _state(heads)
-
-    results = run_threads(2, rank_main)
-    assert [r[0] for r in results] == [["c"], ["b"]]
-    owner_of = {"b": 0, "a": 0, "c": 1}
-    for rank, (_, names, state) in enumerate(results):
-        assert names == ["b", "a", "c"], rank
-        expected = {
-            f"{k}.{p}": before[o][f"{k}.{p}"]
-            for k, o in owner_of.items()
-            for p in ("weight", "bias")
-        }
-        _assert_states_equal(state, expected)
-
-
-def test_a_group_of_some_ranks_counts_ranks_in_the_group() -> None:
-    """Ranks 1 and 2 synchronise in their group; rank 0 alone in its own, with as many tensors.
-
-    Group rank 1 is world rank 2: the owner of "b" must be taken as a rank of the group.
-    """
-
-    def build(rank: int) -> nn.Module:
-        model = Model()
-        for key in (["p", "q"], ["a"], ["b"])[rank]:
-            model.heads[key]
-        return model
-
-    models = _models(build, 3)
-    before = [_state(m) for m in models]
-
-    def rank_main(rank: int) -> tuple[list[str], list[str], dict[str, torch.Tensor]]:
-        alone = dist.new_group([0])
-        pair = dist.new_group([1, 2])
-        model = copy.deepcopy(models[rank])
-        created = sync_entries(model, group=alone if rank == 0 else pair)
-        return created, list(model.heads), _state(model)
-
-    results = run_threads(3, rank_main)
-    created, names, state = results[0]
-    assert (created, names) == ([], ["p", "q"])
-    _assert_states_equal(state, before[0])
-    assert [r[:2] for r in results[1:]] == [(["heads.b"], ["a", "b"]), (["heads.a"], ["a", "b"])]
-    for rank in (1, 2):
-        expected = {k: before[rank][k] for k in ("trunk.weight", "trunk.bias")}
-        expected |= {k: before[1][k] for k in ("heads.a.weight", "heads.a.bias")}
-        expected |= {k: before[2][k] for k in ("heads.b.weight", "heads.b.bias")}
-        _assert_states_equal(results[rank][2], expected)
-
-
-# Every rank raises the same error --------------------------------------------------------------
-
-
-def _refused(model: nn.Module) -> tuple[str, str, str]:
-    """The type, message and cause of the error that sync_entries raises."""
-    try:
-        sync_entries(model)
-    except (RuntimeError, ValueError) as error:
-        return type(error).__name__, str(error), repr(error.__cause__)
-    raise AssertionError("sync_entries did not refuse")
-
-
-def test_dtensor_parameters_on_some_ranks_are_refused_on_every_rank_naming_each() -> None:
-    models = _models(lambda rank: Model(), 3)
-    for model in models:
-        model.heads["a"]
-
-    def rank_main(rank: int) -> tuple[tuple[str, str, str], dict[str, list[str]]]:
-        mesh = DeviceMesh("cpu", [0, 1, 2])
-        model = copy.deepcopy(models[rank])
-        if rank == 1:
-            model.heads["b"]
-        owner = {0: model.heads["a"], 2: model.trunk}.get(rank)
-        if owner is not None:
-            local = owner.weight.detach()
-            owner.weight = nn.Parameter(DTensor.from_local(local, mesh, [Replicate()]))
-        return _refused(model), _entry_names(model)
-
-    results = run_threads(3, rank_main)
-    reason = "is a DTensor: the model is already sharded; create the entries before fully_shard"
-    message = (
-        f"sync_entries: rank 0: parameter heads.a.weight {reason}; "
-        f"rank 2: parameter trunk.weight {reason}"
-    )
-    assert [r[0] for r in results] == [("ValueError", message, "None")] * 3
-    assert [r[1]["heads"] for r in results] == [["a"], ["a", "b"], ["a"]]
-
-
-def _failing(rank: int) -> Model:
-    """Rank 1's outer factory raises; rank 2's heads are closed, so it cannot create "b"."""
-    model = Model()
-    if rank == 0:
-        model.outer["x"].inner["y"]
-    elif rank == 1:
-        model.heads["b"]
-
-        def no_inner() -> Inner:
-            raise RuntimeError("no outer entry on rank 1")
-
-        model.outer.default_factory = no_inner
-    else:
-        model.heads["c"]
-        model.heads.default_factory = None
-    return model
-
-
-def test_a_failed_creation_on_some_ranks_removes_every_created_entry_on_every_rank() -> None:
-    """Rank 0 creates heads "b" and "c"; rank 2 creates the nested entries, then fails."""
-    models = _models(_failing, 3)
-    before = [(_state(m), _entry_names(m)) for m in models]
-
-    def rank_main(rank: int) -> tuple[tuple[str, str, str], Any]:
-        model = copy.deepcopy(models[rank])
-        return _refused(model), (_state(model), _entry_names(model))
-
-    results = run_threads(3, rank_main)
-    message = (
-        "sync_entries created no entry: creating the missing entries failed on "
-        "rank 1: RuntimeError('no outer entry on rank 1'); rank 2: KeyError('b')"
-    )
-    causes = ["None", "RuntimeError('no outer entry on rank 1')", "KeyError('b')"]
-    assert [r[0] for r in results] == [("RuntimeError", message, c) for c in causes]
-    for rank, (_, (state, names)) in enumerate(results):
-        assert names == before[rank][1], rank
-        _assert_states_equal(state, before[rank][0])
-
-
-def test_an_entry_under_a_module_dict_on_another_rank_is_a_type_error_reported() -> None:
-    def build(rank: int) -> Model:
-        model = Model()
-        if rank == 0:
-            model.heads["a"]
-        else:
-            model.heads = nn.ModuleDict()  # type: ignore[assignment]
-        return model
-
-    models = _models(build, 2)
-
-    def rank_main(rank: int) -> tuple[tuple[str, str, str], list[str]]:
-        model = copy.deepcopy(models[rank])
-        return _refused(model), list(model.heads)
-
-    results = run_threads(2, rank_main)
-    error = "TypeError(\"'heads' is a ModuleDict, not a ModuleDefaultDict\")"
-    message = (
-        f"sync_entries created no entry: creating the missing entries failed on rank 1: {error}"
-    )
-    assert results == [
-        (("RuntimeError", message, "None"), ["a"]),
-        (("RuntimeError", message, error), []),
-    ]
-
-
-def test_meta_tensors_on_some_ranks_only_are_refused_and_the_created_entries_removed() -> None:
-    def build(rank: int) -> Model:
-        model = Model()
-        if rank == 0:
-            model.heads["a"]
-            model.to("meta")
-            model.heads["b"]
-        else:
-            model.heads["c"]
-        return model
-
-    models = _models(build, 2)
-
-    def rank_main(rank: int) -> tuple[tuple[str, str, str], list[str], list[str]]:
-        model = copy.deepcopy(models[rank])
-        refused = _refused(model)
-        return refused, list(model.heads), [str(p.device) for p in model.heads.parameters()]
-
-    results = run_threads(2, rank_main)
-    message = (
-        "sync_entries created no entry: heads.a.bias, heads.a.weight, heads.b.bias, "
-        "heads.b.weight, heads.c.bias, heads.c.weight are on the meta device on some ranks "
-        "only; move or materialise the model alike on every rank"
-    )
-    assert results == [
-        (("ValueError", message, "None"), ["a", "b"], ["meta"] * 4),
-        (("ValueError", message, "None"), ["c"], ["cpu"] * 2),
-    ]
+        assert result["outcome"] == created[rank]
+        after_names, state = result["after"]
+        assert {k: v for k, v in after_names.items() if v} == names[rank]
+        # Each entry's lowest owner in the group; a state key takes the value of its
+        # innermost entry's owner.
+        owners: dict[str, int] = {}
+        for other in next((g for g in groups or [] if rank in g), range(len(results))):
+            for path, keys in befores[other][0].items():
+                for key in keys:
+                    owners.setdefault(f"{path}.{key}" if path else key, other)
+        assert state.keys() == results[min(owners.values(), default=rank)]["after"][1].keys()
+        for key, value in state.items():
+            entries = [e for e in owners if key.startswith(e + ".")]
+            owner = owners[max(entries, key=len)] if entries else rank
+            assert torch.equal(value, befores[owner][1][key]), (rank, key)
+    if case == "nested":  # the values really differed before: each rank drew its own
+        assert not torch.equal(befores[0][1]["heads.s.weight"], befores[1][1]["heads.s.weight"])
+        assert [b[1]["outer.x.count"].item() for b in befores[:2]] == [1, 2]
+        assert not befores[1][1]["heads.s.weight"].is_contiguous()
 
 
 def test_meta_tensors_on_every_rank_are_left_alone_and_the_names_synchronised() -> None:
@@ -334,182 +204,183 @@ def test_meta_tensors_on_every_rank_are_left_alone_and_the_names_synchronised() 
     ]
 
 
-# Entries that differ between ranks, aliases and ranks outside the group ------------------------
+# A refused call raises on every rank and changes nothing ---------------------------------------
 
 
-def _refused_alike(
-    build: Callable[[int], nn.Module], world_size: int
-) -> tuple[str, list[Any], list[Any]]:
-    """Run sync_entries on each rank's model; the one error, and the states before and after.
-
-    Every rank must raise the same ValueError, without a cause.
-    """
-    models = _models(build, world_size)
-    before = [(_state(m), {k: list(d) for k, d in _dicts(m).items()}) for m in models]
-
-    def rank_main(rank: int) -> tuple[tuple[str, str, str], Any]:
-        model = copy.deepcopy(models[rank])
-        return _refused(model), (_state(model), {k: list(d) for k, d in _dicts(model).items()})
-
-    results = run_threads(world_size, rank_main)
-    errors = {error for error, _ in results}
-    assert len(errors) == 1, errors
-    kind, message, cause = errors.pop()
-    assert (kind, cause) == ("ValueError", "None")
-    return message, before, [after for _, after in results]
+def _no_inner() -> Inner:
+    raise RuntimeError("no outer entry on rank 1")
 
 
-def _dicts(model: nn.Module) -> dict[str, ModuleDefaultDict[Any]]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, ModuleDefaultDict)}
-
-
-def _assert_unchanged(before: list[Any], after: list[Any]) -> None:
-    for rank, ((state, names), (state_after, names_after)) in enumerate(
-        zip(before, after, strict=True)
-    ):
-        assert names_after == names, rank
-        _assert_states_equal(state_after, state)
-
-
-def test_an_entry_of_another_dtype_on_some_rank_is_refused_everywhere_changing_nothing() -> None:
-    """bfloat16 on rank 0, float32 on rank 1: the bytes would be reinterpreted."""
-
-    def build(rank: int) -> Model:
-        model = Model()
+def _refused_model(case: str, rank: int) -> nn.Module:
+    """This rank's model for a call that ``case`` makes every rank refuse."""
+    model = Model()
+    if case == "dtensor":  # on ranks 0 and 2
         model.heads["a"]
-        model.heads["only" + str(rank)]  # the others would create it
-        if rank == 0:
-            model.heads["a"].bfloat16()
-        return model
-
-    message, before, after = _refused_alike(build, 3)
-    assert message.startswith("sync_entries: ")
-    for fact in ("entry heads.a", "torch.bfloat16", "rank 0", "torch.float32", "rank 1", "rank 2"):
-        assert fact in message, fact
-    assert message.endswith(f"; {_BUILD_ALIKE}")
-    assert "only" not in message
-    _assert_unchanged(before, after)
-
-
-@pytest.mark.parametrize(
-    ("entries", "facts"),
-    [
-        # The same number of bytes in another shape.
-        (
-            (lambda: nn.Linear(3, 2, bias=False), lambda: nn.Linear(2, 3, bias=False)),
-            [
-                "entry heads.a: weight is torch.float32 of shape (2, 3) on rank 0 but "
-                "torch.float32 of shape (3, 2) on rank 1"
-            ],
-        ),
-        (
-            (Model().heads.default_factory, lambda: nn.Linear(2, 2, bias=False)),
-            ["bias", "but missing on rank 1"],
-        ),
-        ((Model().heads.default_factory, lambda: nn.Linear(2, 4)), ["(4, 2)", "bias", "(4,)"]),
-    ],
-    ids=["shape", "missing-tensor", "size"],
-)
-def test_an_entry_of_another_shape_or_other_tensors_is_refused_naming_them(
-    entries: tuple[Callable[[], nn.Module], ...], facts: list[str]
-) -> None:
-    def build(rank: int) -> Model:
-        model = Model()
-        model.heads["a"] = entries[rank]()
         if rank == 1:
-            model.outer["x"]  # rank 0 would create it
-        return model
-
-    message, before, after = _refused_alike(build, 2)
-    assert "entry heads.a" in message
-    for fact in facts:
-        assert fact in message, fact
-    _assert_unchanged(before, after)
-
-
-def test_an_entry_created_in_another_dtype_is_refused_and_every_created_entry_removed() -> None:
-    """Rank 1's dict was cast: it would create rank 0's "a" in bfloat16, and rank 0 its "b"
-    in float32. Only creating them shows it; both are removed again on every rank."""
-
-    def build(rank: int) -> Model:
-        model = Model()
+            model.heads["b"]
+        owner = {0: model.heads["a"], 2: model.trunk}.get(rank)
+        mesh = DeviceMesh("cpu", [0, 1, 2])
+        if owner is not None:
+            owner.weight = nn.Parameter(
+                DTensor.from_local(owner.weight.detach(), mesh, [Replicate()])
+            )
+    elif case == "aliased":
+        if rank == 0:
+            model.heads["b"] = model.heads["a"]
+    elif case == "failed-creation":  # rank 1's outer factory raises; rank 2 cannot create "b"
+        if rank == 0:
+            model.outer["x"].inner["y"]
+        else:
+            model.heads["bc"[rank - 1]]
+        if rank == 1:
+            model.outer.default_factory = _no_inner
+        if rank == 2:
+            model.heads.default_factory = None
+    elif case == "module-dict":
+        if rank == 0:
+            model.heads["a"]
+        else:
+            model.heads = nn.ModuleDict()  # type: ignore[assignment]
+    elif case == "meta-on-some-ranks":
+        model.heads["a"]
+        model.to("meta" if rank == 0 else "cpu")
+        model.heads["bc"[rank]]
+    elif case == "dtype":  # the bytes would be reinterpreted
+        model.heads["a"].to(torch.bfloat16 if rank == 0 else torch.float32)
+        model.heads[f"only{rank}"]
+    elif case in ("shape", "missing-tensor"):
+        shapes = (
+            [(3, 2, False), (2, 3, False)] if case == "shape" else [(2, 2, True), (2, 2, False)]
+        )
+        model.heads["a"] = nn.Linear(*shapes[rank][:2], bias=shapes[rank][2])
+        model.outer["x" if rank else "y"]  # entries the other rank would create
+    else:  # "created-in-another-dtype": rank 1's dict was cast; only creating shows it
         model.outer["x"]
         if rank == 1:
             model.heads.bfloat16()
         model.heads["ab"[rank]]
-        return model
+    return model
 
-    message, before, after = _refused_alike(build, 2)
-    assert message.startswith("sync_entries created no entry: ")
-    for fact in ("entry heads.a", "; entry heads.b", "torch.bfloat16", "torch.float32"):
+
+NONE = "sync_entries created no entry: "
+FAILED = NONE + "creating the missing entries failed on rank 1: "
+META = "are on the meta device on some ranks only; move or materialise the model"
+ALIKE = "the same factory and the model cast alike before they are created"
+REFUSED = {
+    # id: (world size, facts the message names, the last one its end)
+    "dtensor": (
+        3,
+        ["rank 0: parameter heads.a.weight", "; rank 2: parameter trunk", "fully_shard"],
+    ),
+    "aliased": (2, ["rank 0: heads.a and heads.b are one", "would create a separate", "one name"]),
+    "failed-creation": (3, [FAILED + "RuntimeError('no outer", "'); rank 2: KeyError('b')"]),
+    "module-dict": (2, [FAILED + "TypeError(\"'heads' is a ModuleDict", 'ModuleDefaultDict")']),
+    "meta-on-some-ranks": (2, [NONE + "heads.a.bias, heads.a.weight, heads.b.bias", META, "rank"]),
+    "dtype": (3, ["heads.a: weight is torch.bfloat16 of shape (2, 2) on rank 0", "rank 2", ALIKE]),
+    "shape": (2, ["of shape (2, 3) on rank 0 but torch.float32 of shape (3, 2) on rank 1", ALIKE]),
+    "missing-tensor": (
+        2,
+        ["heads.a: bias is torch.float32 of shape (2,) on rank 0 but missing", ALIKE],
+    ),
+    "created-in-another-dtype": (2, [NONE, "entry heads.a", "; entry heads.b", "bfloat16", ALIKE]),
+}
+# Where creating failed: a RuntimeError, raised on the ranks that failed from their failure.
+CAUSED = {"failed-creation": (1, 2), "module-dict": (1,)}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_refused_call_raises_on_every_rank_and_changes_nothing(case: str) -> None:
+    world_size, facts = REFUSED[case]
+    results = _sync(functools.partial(_refused_model, case), world_size)
+    messages = {r["outcome"][1] for r in results}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message.startswith("sync_entries")
+    for fact in facts:
         assert fact in message, fact
-    assert message.endswith(f"; {_BUILD_ALIKE}")
-    _assert_unchanged(before, after)
-
-
-def test_tensors_registered_in_another_order_are_matched_by_name() -> None:
-    class Pair(nn.Module):
-        def __init__(self, flip: bool) -> None:
-            super().__init__()
-            names = ["q", "p"] if flip else ["p", "q"]
-            for name in names:
-                self.register_parameter(name, nn.Parameter(torch.randn(2 if name == "p" else 3)))
-
-    def build(rank: int) -> nn.Module:
-        heads = ModuleDefaultDict(None, {"a": Pair(flip=rank == 1)})
-        return heads
-
-    models = _models(build, 2)
-    expected = _state(models[0])
-
-    def rank_main(rank: int) -> dict[str, torch.Tensor]:
-        heads = copy.deepcopy(models[rank])
-        sync_entries(heads)
-        return _state(heads)
-
-    for state in run_threads(2, rank_main):
-        assert {k: v.tolist() for k, v in state.items()} == {
-            k: v.tolist() for k, v in expected.items()
-        }
-
-
-def test_an_entry_under_two_names_is_refused_on_every_rank() -> None:
-    def build(rank: int) -> Model:
-        model = Model()
-        if rank == 0:
-            model.heads["b"] = model.heads["a"]
-        return model
-
-    message, before, after = _refused_alike(build, 2)
-    assert message == (
-        "sync_entries: rank 0: heads.a and heads.b are one module; the ranks that lack it "
-        "would create a separate module for each name: register each entry under one name"
-    )
-    _assert_unchanged(before, after)
+    assert message.endswith(facts[-1])
+    assert "heads.only" not in message  # an entry that one rank alone has is no difference
+    for rank, result in enumerate(results):
+        kind, _, cause = result["outcome"]
+        assert kind is (RuntimeError if case in CAUSED else ValueError)
+        # A rank whose creation failed raises from its own failure.
+        assert (cause != "None") == (rank in CAUSED.get(case, ())), rank
+        assert cause == "None" or f"rank {rank}: {cause}" in message, (rank, cause)
+        assert result["after"][0] == result["before"][0], rank
+        _assert_same(result["after"][1], result["before"][1])
 
 
 def test_a_rank_outside_the_group_is_refused_without_entering_its_collectives() -> None:
     """Ranks 0 and 1 synchronise in their group; rank 2, not in it, is told so at once."""
+    results = _sync(_with_heads("a", "b", "c"), 3, [[0, 1]])
+    assert [r["outcome"] for r in results[:2]] == [["heads.b"], ["heads.a"]]
+    kind, message, _ = results[2]["outcome"]
+    assert kind is ValueError
+    assert "rank 2 of the default group, is not a rank of the group it was given; " in message
+    assert message.endswith("; call sync_entries on the ranks of the group only")
+    assert results[2]["after"][0] == results[2]["before"][0]
 
-    def build(rank: int) -> Model:
-        model = Model()
-        model.heads["abc"[rank]]
-        return model
 
-    models = _models(build, 3)
+# Synchronised entries train as one process does ------------------------------------------------
 
-    def rank_main(rank: int) -> tuple[str, list[str]]:
-        pair = dist.new_group([0, 1])
+
+def _task_model(rank: int) -> TaskLM:
+    """TaskLM with this rank's adapters only; those of the reference on ranks 0 and 1."""
+    state = initial_state(ReferenceTaskLM)
+    torch.manual_seed(200 + rank)
+    model = TaskLM()
+    model.load_state_dict({k: v for k, v in state.items() if not k.startswith("adapters.")})
+    own = {0: ["a"], 1: ["b"]}.get(rank, ["b", "a"])  # rank 2 holds both, with its own values
+    for task in own:
+        model.adapters[task]
+    if rank < 2:
+        prefix = f"adapters.{own[0]}."
+        model.adapters[own[0]].load_state_dict(
+            {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+        )
+    return model
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_synced_entries_train_under_ddp_and_fsdp2_like_one_process(
+    kind: str, tmp_path: Path
+) -> None:
+    """Three ranks: FSDP2 splits the vocabulary of 17 unevenly (6, 6 and 5 rows). Saved with
+    DCP, the sharded model resumes into a fresh one that creates its entries from the keys."""
+    models = [_task_model(rank) for rank in range(3)]
+
+    def rank_main(rank: int) -> dict[str, Any]:
         model = copy.deepcopy(models[rank])
-        try:
-            outcome = str(sync_entries(model, group=pair))
-        except ValueError as error:
-            outcome = str(error)
-        return outcome, list(model.heads)
+        sync_entries(model)
+        model.adapters.default_factory = None
+        wrapped: nn.Module = DistributedDataParallel(model) if kind == "ddp" else model
+        if kind == "fsdp2":
+            fully_shard(model)
+        losses, states = train(wrapped, 3)
+        with pytest.raises(KeyError, match="late"):  # the closed dict refuses a miss
+            model.adapters["late"]
+        if kind == "ddp":
+            return {"keys": list(model.adapters), "losses": losses, "states": states}
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp_path)
+        fresh = TaskLM()
+        keys = dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata
+        created = create_entries(fresh, keys, prefix="model.")
+        fully_shard(fresh)
+        loaded = {"model": get_model_state_dict(fresh)}
+        dcp.load(loaded, checkpoint_id=tmp_path)
+        set_model_state_dict(fresh, loaded["model"])
+        resumed = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True))
+        states.append(resumed)  # must equal the last state
+        return {"keys": created, "losses": losses, "states": states}
 
-    results = run_threads(3, rank_main)
-    assert results[:2] == [("['heads.b']", ["a", "b"]), ("['heads.a']", ["a", "b"])]
-    message, names = results[2]
-    assert names == ["c"]
-    assert "rank 2 of the default group, is not a rank of the group" in message
-    assert "call sync_entries on the ranks of the group only" in message
+    expected = reference_training(3, ReferenceTaskLM)
+    if kind == "fsdp2":
+        expected["states"].append(expected["states"][-1])
+    for rank, result in enumerate(run_threads(3, rank_main)):
+        assert result["keys"] == (["a", "b"] if kind == "ddp" else ["adapters.a", "adapters.b"])
+        close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5)
+        close(result["losses"], [step[rank] for step in expected["losses"]])
+        for got, want in zip(result["states"], expected["states"], strict=True):
+            assert list(got) == list(want)
+            for key, value in want.items():
+                close(got[key], value, msg=key)

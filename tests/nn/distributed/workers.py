@@ -330,8 +330,6 @@ def fsdp1_without_device_id() -> str:
 # the checks it runs at that world size under names prefixed by its own subject
 # (``"tp/..."``), and ``WORLD_SIZES``, the world sizes at which it has any.
 CHECK_MODULES: tuple[str, ...] = (
-    "tests.nn.distributed.tp_checks",
-    "tests.nn.distributed.entries_checks",
     "tests.nn.distributed.pipeline_checks",
     "tests.nn.distributed.mutation_checks",
     "tests.nn.distributed.cross_entropy_checks",
