@@ -22,15 +22,11 @@ import torch.nn.functional as F
 from hypothesis import example, given
 from hypothesis import strategies as st
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 from torch.nn.modules import module as module_hooks
 from torch.nn.utils import parametrize
 
-from tests.nn.models import TiedLM, TiedPair
-from tests.nn.ranks import run_threads
+from tests.nn.distributed.tiny_lm import TinyLM
+from tests.nn.models import TiedPair
 from tests.strategies import DEVICES, LinearCase, linear_cases, make_tensor
 from toolkit.nn import TiedLinear
 
@@ -563,33 +559,24 @@ def test_is_a_drop_in_for_torchtunes_tied_linear(torchtune_tied_linear: type) ->
 
 # Compile --------------------------------------------------------------------------------------
 
-COMPILED_OWNERS: dict[str, Callable[[], nn.Module]] = {
-    "parameter": lambda: nn.Embedding(7, 3),
-    "buffer": _BufferWeight,
-    "property": lambda: _PropertyOverParameter(7, 3),
+COMPILED: dict[str, Callable[[], nn.Module]] = {
+    "parameter": lambda: TiedLinear(nn.Embedding(7, 3)),  # type: ignore[dict-item]
+    "buffer": lambda: TiedLinear(_BufferWeight()),  # type: ignore[dict-item]
+    "property": lambda: TiedLinear(_PropertyOverParameter(7, 3)),  # type: ignore[dict-item]
+    "tied-lm": TinyLM,
 }
 
 
-@pytest.mark.parametrize("owner", list(COMPILED_OWNERS))
-def test_compiles_in_one_graph_to_what_the_attribute_gives(owner: str) -> None:
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_compiles_in_one_graph_with_no_break_to_what_the_attribute_gives(name: str) -> None:
     torch._dynamo.reset()
-    module = COMPILED_OWNERS[owner]()
-    head = TiedLinear(module)
-    x = torch.randn(2, 3)
-    explanation = torch._dynamo.explain(head)(x)
-    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
-    compiled = torch.compile(head, fullgraph=True, backend="eager")
-    assert torch.equal(compiled(x), F.linear(x, module.weight))  # type: ignore[arg-type]
-
-
-def test_a_tied_lm_compiles_in_one_graph_with_no_break() -> None:
-    torch._dynamo.reset()
-    model = TiedLM()
-    idx = torch.tensor([[1, 2, 3], [4, 5, 16]])
-    explanation = torch._dynamo.explain(model)(idx)
+    model = COMPILED[name]()
+    x = torch.tensor([[1, 2, 3], [4, 5, 16]]) if name == "tied-lm" else torch.randn(2, 3)
+    explanation = torch._dynamo.explain(model)(x)
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
     compiled = torch.compile(model, fullgraph=True, backend="eager")
-    torch.testing.assert_close(compiled(idx), model(idx))
+    expected = model(x) if name == "tied-lm" else F.linear(x, model.weight)  # type: ignore[arg-type]
+    assert torch.equal(compiled(x), expected)
 
 
 # Errors: the type, the names, the shapes and the fix ------------------------------------------
@@ -781,103 +768,3 @@ def test_other_failures_keep_torchs_own_error(
         head(x)
     assert "TiedLinear" not in str(info.value)
     assert info.value.__cause__ is None
-
-
-# Sharded weights: which cause and fix the error names -----------------------------------------
-
-FSDP_FIXES = ["fully_shard([tied_module, caller])", "reshard_after_forward=False"]
-TP_FIXES = ["TiedLinearParallel", "parallelize_module(head.linear", "PrepareModuleInput"]
-
-
-def _sharded_embedding(mesh: DeviceMesh) -> nn.Embedding:
-    emb = nn.Embedding(7, 3)
-    emb.weight = nn.Parameter(distribute_tensor(emb.weight.detach(), mesh, [Shard(0)]))
-    return emb
-
-
-def test_a_weight_fsdp2_resharded_with_a_plain_input_names_the_placement_and_fixes(
-    one_rank: DeviceMesh,
-) -> None:
-    emb = nn.Embedding(7, 3)
-    fully_shard(emb, mesh=one_rank)  # the weight stays sharded until a forward unshards it
-    with pytest.raises(RuntimeError) as info:
-        TiedLinear(emb)(torch.randn(2, 3))
-    for fact in ("FSDPEmbedding(7, 3)", "(Shard(dim=0),)", *FSDP_FIXES):
-        assert fact in str(info.value)
-    assert str(info.value) == (  # the one golden message
-        "TiedLinear cannot use the weight of the tied module FSDPEmbedding(7, 3): that weight "
-        "is sharded (a DTensor with placements (Shard(dim=0),)) when TiedLinear reads it, and "
-        "the input is a plain tensor. This happens when the FSDP2 unit (fully_shard) holding "
-        "the tied module reshards its parameters after a forward that ends before TiedLinear "
-        "runs: the tied module is its own unit, or is grouped only with modules that do not "
-        "call TiedLinear. Keep the tied module in the unit whose forward calls TiedLinear, "
-        "group it with the module that calls TiedLinear in one unit "
-        "(fully_shard([tied_module, caller])), or keep its weight unsharded after forward "
-        "with fully_shard(tied_module, reshard_after_forward=False)."
-    )
-    assert "mixed torch.Tensor and DTensor" in str(info.value.__cause__)
-
-
-def test_a_weight_sharded_by_tensor_parallelism_with_a_plain_input_names_the_fixes(
-    one_rank: DeviceMesh,
-) -> None:
-    with pytest.raises(RuntimeError) as info:
-        TiedLinear(_sharded_embedding(one_rank))(torch.randn(2, 3))
-    assert str(info.value) == (  # the one golden message
-        "TiedLinear got a plain-tensor input, but the weight of the tied module "
-        "Embedding(7, 3) is sharded by tensor parallelism (a DTensor with placements "
-        "(Shard(dim=0),)): the head's input must be a DTensor on the same device mesh. "
-        "Prepare the head's input by applying toolkit.nn.TiedLinearParallel to the head's "
-        "linear module, parallelize_module(head.linear, tp_mesh, TiedLinearParallel()), with "
-        "input_layouts=Shard(1) under sequence parallelism; or apply torch's "
-        "PrepareModuleInput(input_layouts=(Replicate(), None), "
-        "desired_input_layouts=(Replicate(), None)) to head.linear."
-    )
-
-
-def test_a_wrong_width_with_dtensor_input_and_weight_is_a_shape_error(
-    one_rank: DeviceMesh,
-) -> None:
-    x = distribute_tensor(torch.randn(2, 4), one_rank, [Replicate()])
-    with pytest.raises(RuntimeError, match=r"^TiedLinear input has shape \(2, 4\)"):
-        TiedLinear(_sharded_embedding(one_rank))(x)
-
-
-@pytest.mark.parametrize(
-    ("setup", "facts"),
-    [
-        ("fsdp", ["Embedding(17, 8)", "(Shard(dim=0),)", *FSDP_FIXES]),
-        ("tp_fsdp", ["Embedding(17, 8)", "(Shard(dim=0),)", *TP_FIXES]),
-        ("tp_fsdp_trunk_unit", ["(_StridedShard(dim=0, sf=2), Shard(dim=0))", *FSDP_FIXES]),
-    ],
-    ids=["fsdp_enclosing_unit", "tp_under_fsdp_unsharded", "tp_under_fsdp_resharded"],
-)
-def test_on_two_ranks_the_error_names_what_left_the_weight_a_dtensor(
-    setup: str, facts: list[str]
-) -> None:
-    """An enclosing FSDP2 unit that reshards the embedding, tensor parallelism (vocabulary 17,
-    split 9 and 8) with the embedding unsharded by the unit that calls the head, and with the
-    embedding in a trunk unit that reshards it on the 2-D mesh."""
-    model = TiedLM()
-    idx = torch.randint(0, 17, (2, 5), generator=torch.Generator().manual_seed(0))
-
-    def rank_main(rank: int) -> str:
-        rank_model = copy.deepcopy(model)
-        if setup == "fsdp":
-            mesh = init_device_mesh("cpu", (2,))
-            fully_shard(rank_model.trunk, mesh=mesh)
-            fully_shard(rank_model, mesh=mesh)
-        else:
-            mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
-            embedding = rank_model.trunk[0]
-            parallelize_module(embedding, mesh["tp"], RowwiseParallel(input_layouts=Replicate()))
-            if setup == "tp_fsdp_trunk_unit":
-                fully_shard(rank_model.trunk, mesh=mesh["dp"])
-            fully_shard(rank_model, mesh=mesh["dp"])
-        with pytest.raises(RuntimeError) as info:
-            rank_model(idx)
-        assert isinstance(info.value.__cause__, RuntimeError)
-        return str(info.value)
-
-    for message in run_threads(2, rank_main):
-        assert all(fact in message for fact in facts), message
