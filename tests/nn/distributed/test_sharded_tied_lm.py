@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.nn.distributed.tiny_lm import check_setup
+# assert_close and assert_states_close are imported from here by test_tensor_parallel.py.
+from tests.nn.distributed.tiny_lm import assert_close, assert_states_close, check_setup
 from tests.nn.distributed.workers import FSDP1_SETUPS
 from tests.nn.distributed.worlds import Worlds, per_rank
+
+__all__ = ["assert_close", "assert_states_close"]
 
 
 @pytest.mark.parametrize("setup", FSDP1_SETUPS)

@@ -285,26 +285,35 @@ def run_setup(
     }
 
 
+def assert_close(actual: Any, expected: Any, msg: str | None = None) -> None:
+    """Equal up to float32 rounding in a different order of operations."""
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=msg)
+
+
+def assert_states_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """The same keys in the same order, and close values."""
+    assert list(actual) == list(expected)
+    assert_close(actual, expected)
+
+
 def check_setup(results: list[dict[str, Any]], world_size: int, setup: str) -> None:
     """Each rank trained as the reference in one process, added no parameter, and round-tripped.
 
     The reference's update of every embedding row sums the lookup's and the head's: every token
     is in every step's inputs, and the head's gradient reaches every row.
     """
-    close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5)
     expected = reference_training(world_size)
     names = [n for n, _ in ReferenceLM().named_parameters()]
     assert [n for n, _ in TinyLM().named_parameters()] == names  # the head adds none
     assert len(results) == world_size
     for rank, result in enumerate(results):
-        close(result["losses"], [step[rank] for step in expected["losses"]])
+        assert_close(result["losses"], [step[rank] for step in expected["losses"]])
         for actual, wanted in zip(result["states"], expected["states"], strict=True):
-            assert list(actual) == list(wanted)  # no state-dict key for the head
-            close(actual, wanted)
+            assert_states_close(actual, wanted)  # with no state-dict key for the head
         assert result["names"] == (None if setup == "fsdp1_flat_params" else names)
         assert result["tied"]
         before, after, (logits, trained_logits) = result["checkpoint"]
         # The fresh copy started elsewhere, so the load is what made it equal.
         assert not torch.allclose(before["emb.weight"], result["states"][-1]["emb.weight"])
-        close(after, result["states"][-1])
-        close(logits, trained_logits)
+        assert_states_close(after, result["states"][-1])
+        assert_close(logits, trained_logits)
