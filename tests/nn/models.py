@@ -29,6 +29,18 @@ class TiedPair(nn.Module):
         return self.head(self.emb(idx))
 
 
+class TiedLM(nn.Module):
+    """A tied LM whose embedding sits in a trunk with a norm: a unit that does not call the head."""
+
+    def __init__(self, vocab: int = 17, dim: int = 8) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Embedding(vocab, dim), nn.LayerNorm(dim))
+        self.head = TiedLinear(self.trunk[0])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(idx))  # type: ignore[no-any-return]
+
+
 class Counter(nn.Module):
     """A module with one parameter holding the index it was built with."""
 

@@ -415,6 +415,14 @@ def test_only_what_the_dict_was_moved_or_cast_to_changes_the_factory_result(name
     assert (weight.dtype, weight.device.type) == placed
 
 
+def test_a_conversion_that_does_not_recurse_leaves_the_entries_alone() -> None:
+    model = Model()
+    entry = model.heads["a"]
+    model.heads.to_empty(device="meta", recurse=False)
+    assert model.heads["a"] is entry
+    assert {t.device.type for t in entry.state_dict().values()} == {"cpu"}
+
+
 def test_a_conversion_that_fails_on_an_entry_leaves_where_new_entries_go() -> None:
     heads = ModuleDefaultDict(Head)
     heads["kept"]

@@ -29,6 +29,7 @@ from tests.nn.distributed.tiny_lm import (
     initial_state,
     run_setup,
 )
+from tests.nn.models import TiedLM
 from tests.nn.ranks import run_threads
 from toolkit.nn import TiedLinear
 
@@ -92,8 +93,12 @@ def test_a_weight_sharded_by_tensor_parallelism_with_a_plain_input_names_the_fix
     )
 
 
-def _shard(model: TinyLM, setup: str) -> None:
+def _shard(model: nn.Module, setup: str) -> None:
     """Leave the embedding's weight a DTensor when the head reads it, as ``setup`` says."""
+    if setup == "enclosing_unit":  # a unit around the embedding, not the unit's own module
+        fully_shard(model.trunk)
+        fully_shard(model)
+        return
     if setup in ("own_unit", "grouped_resharding"):  # a unit that reshards before the head
         fully_shard(model.emb if setup == "own_unit" else [model.emb, model.out.norm])
         fully_shard(model)
@@ -108,6 +113,7 @@ def _shard(model: TinyLM, setup: str) -> None:
 @pytest.mark.parametrize(
     ("setup", "facts"),
     [
+        ("enclosing_unit", ["module Embedding(17, 8)", "(Shard(dim=0),)", *FSDP_FIXES]),
         ("own_unit", ["FSDPEmbedding(17, 8)", "(Shard(dim=0),)", *FSDP_FIXES]),
         ("grouped_resharding", ["FSDPEmbedding(17, 8)", "(Shard(dim=0),)", *FSDP_FIXES]),
         ("tp_fsdp", ["Embedding(17, 8)", "(Shard(dim=0),)", *TP_FIXES]),
@@ -119,7 +125,7 @@ def test_on_every_rank_the_error_names_what_left_the_weight_a_dtensor(
 ) -> None:
     """FSDP2 units that reshard the embedding before the head; tensor parallelism (split 9
     and 8) with the embedding unsharded by the unit that calls the head, or resharded."""
-    model = TinyLM()
+    model = TiedLM() if setup == "enclosing_unit" else TinyLM()
     idx = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
 
     def rank_main(rank: int) -> str:

@@ -284,23 +284,29 @@ def _set_head(model: PreTrainedModel, head: nn.Module) -> None:
     model.lm_head = head
 
 
-# How each model is made wrong, and the facts its error names: the cause and the fix.
+# How each model is made wrong, and the facts its error names: the cause, then the fix last.
 REFUSED: dict[str, tuple[Callable[[LlamaForCausalLM], object], list[str]]] = {
     "untied": (
         lambda m: m.config.__setattr__("tie_word_embeddings", False),
-        ["tie_word_embeddings=False", "tie_word_embeddings=True to tie it"],
+        ["tie_word_embeddings=False", "build the model with tie_word_embeddings=True to tie it"],
     ),
     # As transformers reads it: only a config that says so ties the word embeddings.
     "config-without-the-flag": (
         lambda m: setattr(m, "config", types.SimpleNamespace()),
-        ["tie_word_embeddings=True"],
+        ["build the model with tie_word_embeddings=True to tie it"],
     ),
     "own-weight": (
         lambda m: setattr(m.lm_head, "weight", nn.Parameter(m.lm_head.weight.detach().clone())),
-        ["logits do not come from it", "save and load it tied first"],
+        ["so the model's logits do not come from it", "save and load it tied first"],
     ),
-    "no-weight": (lambda m: _set_head(m, nn.Identity()), ["do not share the input embeddings"]),
-    "bias": (lambda m: setattr(m.lm_head, "bias", nn.Parameter(torch.zeros(VOCAB))), ["bias"]),
+    "no-weight": (
+        lambda m: _set_head(m, nn.Identity()),
+        ["do not share the input embeddings", "save and load it tied first"],
+    ),
+    "bias": (
+        lambda m: setattr(m.lm_head, "bias", nn.Parameter(torch.zeros(VOCAB))),
+        ["has a bias", "would drop"],
+    ),
     "tied-elsewhere": (
         lambda m: _set_head(m, TiedLinear(nn.Embedding(VOCAB, 16))),
         ["not tied to the input embeddings"],
@@ -317,6 +323,7 @@ def test_a_head_that_cannot_be_tied_is_refused_and_the_model_left_alone(name: st
     with pytest.raises(ValueError, match=r"^LlamaForCausalLM") as info:  # the model's class
         tie_output_embeddings(model)
     assert all(fact in str(info.value) for fact in facts), str(info.value)
+    assert str(info.value).endswith(facts[-1])
     assert model.lm_head is head
     assert model._tied_weights_keys == keys
 
@@ -324,7 +331,7 @@ def test_a_head_that_cannot_be_tied_is_refused_and_the_model_left_alone(name: st
 def test_a_model_without_an_lm_head_or_not_from_transformers_is_refused() -> None:
     with pytest.raises(ValueError, match="no output embeddings") as info:
         tie_output_embeddings(LlamaModel(llama().config))
-    assert "such as a ...ForCausalLM class" in str(info.value)
+    assert str(info.value).endswith("tie a model with an LM head, such as a ...ForCausalLM class")
     with pytest.raises(TypeError, match="PreTrainedModel") as info:
         tie_output_embeddings(nn.Linear(2, 2))  # type: ignore[arg-type]
     assert "TiedLinear(embedding)" in str(info.value)
