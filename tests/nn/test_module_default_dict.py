@@ -756,7 +756,10 @@ BAD_FACTORIES: dict[str, tuple[object, list[str]]] = {
     "module": (nn.Linear(4, 2), ["Linear instance", "lambda: Linear(", "partial(Linear, "]),
     # A class, or a partial, that needs arguments.
     "class": (nn.Linear, ["needs in_features, out_features", "partial(Linear, in_features"]),
-    "partial": (functools.partial(nn.Linear, 4), ["needs out_features", "functools.partial"]),
+    "partial": (
+        functools.partial(nn.Linear, 4),
+        ["needs out_features", "with functools.partial, or"],
+    ),
 }
 
 
