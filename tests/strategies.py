@@ -20,18 +20,7 @@ import torch
 from hypothesis import event
 from hypothesis import strategies as st
 
-__all__ = [
-    "DEVICES",
-    "LinearCase",
-    "available_devices",
-    "case_kind",
-    "data_devices",
-    "devices_weighted",
-    "dtypes_for",
-    "linear_cases",
-    "make_tensor",
-    "seeds",
-]
+__all__ = ["DEVICES", "LinearCase", "linear_cases", "make_tensor", "seeds"]
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 COMPLEX_DTYPES = (torch.complex64, torch.complex128)
@@ -58,13 +47,6 @@ def available_devices() -> tuple[str, ...]:
 
 
 DEVICES = available_devices()
-
-
-def dtypes_for(device: str) -> tuple[torch.dtype, ...]:
-    """The dtypes ``F.linear`` supports on ``device``."""
-    if device == "mps":
-        return (torch.float32, torch.bfloat16, torch.float16)
-    return FLOAT_DTYPES + COMPLEX_DTYPES
 
 
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
@@ -98,18 +80,13 @@ META_ONE_IN = 12
 ZERO_SIZE_ONE_IN = 12
 
 
-def data_devices(devices: tuple[str, ...]) -> tuple[str, ...]:
-    """The devices of ``devices`` whose tensors hold data: all but ``meta``."""
-    return tuple(d for d in devices if d != "meta")
-
-
 @st.composite
 def devices_weighted(draw: st.DrawFn, devices: tuple[str, ...] = DEVICES) -> str:
     """A device: ``meta`` one time in ``META_ONE_IN``, else one of the devices with data.
 
     Shrinking moves towards the first device with data, not towards ``meta``.
     """
-    with_data = data_devices(devices)
+    with_data = tuple(d for d in devices if d != "meta")
     if not with_data or ("meta" in devices and draw(st.integers(1, META_ONE_IN)) == META_ONE_IN):
         device = "meta"
     else:
@@ -134,9 +111,9 @@ def linear_cases(
     size unless ``min_out`` forbids it for ``out_features``); all other sizes are at least 1.
     """
     device = draw(devices_weighted(devices))
-    allowed = dtypes_for(device)
-    if float_only:
-        allowed = tuple(d for d in allowed if d.is_floating_point)
+    allowed = FLOAT_DTYPES if float_only else FLOAT_DTYPES + COMPLEX_DTYPES
+    if device == "mps":  # F.linear there has no float64 and no complex dtype
+        allowed = tuple(d for d in allowed if d.itemsize < 8)
     dtype = draw(st.sampled_from(allowed))
     lead = draw(st.lists(st.integers(1, max_side), max_size=max_lead_dims))
     in_features = draw(st.integers(1, max_side + 3))
@@ -153,16 +130,9 @@ def linear_cases(
     case = LinearCase(device, dtype, tuple(lead), in_features, out_features, draw(seeds))
     event(f"dtype: {str(dtype).removeprefix('torch.')}")
     event(f"input dims: {len(case.x_shape)}")
-    event(f"tensors: {case_kind(case)}")
+    empty = 0 in (*case.x_shape, case.out_features)
+    event(f"tensors: {'meta' if case.is_meta else 'empty' if empty else 'data'}")
     return case
-
-
-def case_kind(case: LinearCase) -> str:
-    """``meta``, ``empty`` (a zero-size dimension, no values) or ``data`` (real arithmetic)."""
-    if case.is_meta:
-        return "meta"
-    shapes = (case.x_shape, (case.out_features, case.in_features))
-    return "empty" if any(0 in shape for shape in shapes) else "data"
 
 
 def make_tensor(

@@ -30,7 +30,7 @@ class TiedPair(nn.Module):
 
 
 class TiedLM(nn.Module):
-    """A tied LM with a trunk: the embedding and a norm, so the trunk's output is no view."""
+    """A tied LM whose embedding sits in a trunk with a norm: a unit that does not call the head."""
 
     def __init__(self, vocab: int = 17, dim: int = 8) -> None:
         super().__init__()

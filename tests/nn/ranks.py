@@ -108,10 +108,6 @@ def run_threads(world_size: int, fn: Callable[[int], T]) -> list[T]:
     return results  # type: ignore[return-value] # every rank returned
 
 
-HOST = "127.0.0.1"
-FAILURE_GRACE = 10.0
-
-
 def run_processes(
     world_size: int,
     target: Callable[..., Any],

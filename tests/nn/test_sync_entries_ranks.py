@@ -29,8 +29,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.nn.distributed.tiny_lm import ReferenceTaskLM, TaskLM, initial_state, reference_training
-from tests.nn.distributed.workers import train
+from tests.nn.distributed.tiny_lm import (
+    ReferenceTaskLM,
+    TaskLM,
+    initial_state,
+    reference_training,
+    train,
+)
 from tests.nn.ranks import run_threads
 from toolkit.nn import ModuleDefaultDict, create_entries, sync_entries
 

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -28,6 +30,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from tests.nn.distributed.tiny_lm import full_state
+from tests.nn.ranks import run_threads
 from toolkit.nn import TiedLinear, tie_output_embeddings
 
 VOCAB = 61
@@ -83,8 +87,8 @@ def stock_and_tied(
     return stock, model, tie_output_embeddings(model)
 
 
-def tokens(rows: int = 2, length: int = 7, vocab: int = VOCAB) -> torch.Tensor:
-    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(1))
+def tokens(rows: int = 2, length: int = 7, vocab: int = VOCAB, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
 
 
 def assert_tied(model: PreTrainedModel, head: TiedLinear) -> None:
@@ -98,25 +102,36 @@ def assert_tied(model: PreTrainedModel, head: TiedLinear) -> None:
     assert sum(p is embedding.weight for p in model.parameters()) == 1
 
 
-def test_the_head_becomes_a_tied_linear_on_the_input_embeddings(build: Callable) -> None:
+def test_the_head_becomes_a_tied_linear_that_post_init_tie_weights_and_a_second_call_keep(
+    build: Callable,
+) -> None:
     stock, model, head = stock_and_tied(build)
     assert isinstance(head, TiedLinear)
     assert_tied(model, head)
-    keys = set(model.state_dict())
-    assert keys == set(stock.state_dict()) - {"lm_head.weight"}
+    assert set(model.state_dict()) == set(stock.state_dict()) - {"lm_head.weight"}
     # The stock class keeps its mapping: only this model's instance stops naming the head.
     assert "lm_head.weight" in type(model)._tied_weights_keys
     assert model.all_tied_weights_keys == {}
+    for keep in (model.post_init, model.tie_weights, lambda: model.tie_weights(False)):
+        keep()
+        assert_tied(model, head)
+    assert tie_output_embeddings(model) is head
+    assert_tied(model, head)
 
 
-def test_post_init_and_tie_weights_keep_the_head(build: Callable) -> None:
-    _, model, head = stock_and_tied(build)
-    model.post_init()
+def test_tie_weights_after_set_input_embeddings_ties_the_head_to_the_new_one(
+    build: Callable,
+) -> None:
+    stock, model, _ = stock_and_tied(build)
+    new = nn.Embedding(VOCAB, stock.get_input_embeddings().embedding_dim)
+    for each in (stock, model):
+        each.set_input_embeddings(copy.deepcopy(new))
+        each.tie_weights()  # the stock model ties its head to the new embedding
+    head = model.get_output_embeddings()
+    assert isinstance(head, TiedLinear)
     assert_tied(model, head)
-    model.tie_weights()
-    assert_tied(model, head)
-    model.tie_weights(recompute_mapping=False)
-    assert_tied(model, head)
+    ids = tokens()
+    torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
 
 
 def test_forward_gives_the_stock_logits_loss_and_gradient(build: Callable) -> None:
@@ -149,37 +164,28 @@ def test_generate_gives_the_stock_tokens(build: Callable) -> None:
     assert expected.shape == (2, 10)
 
 
-def test_save_pretrained_writes_one_copy_that_a_stock_model_loads(
+def test_checkpoints_round_trip_with_the_stock_model_in_both_directions(
     build: Callable, tmp_path: Path
 ) -> None:
-    _, model, head = stock_and_tied(build)
-    with torch.no_grad():
-        head.weight.add_(1.0)  # differs from any fresh initialisation
-    model.save_pretrained(tmp_path)
-    saved = load_file(tmp_path / "model.safetensors")
-    embedding_key = next(k for k in model.state_dict() if k.endswith("wte.weight") or "embed" in k)
-    assert "lm_head.weight" not in saved
-    assert set(saved) == set(model.state_dict())
-    loaded = type(model).from_pretrained(tmp_path)
-    assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
-    torch.testing.assert_close(loaded.lm_head.weight, saved[embedding_key], rtol=0, atol=0)
-    ids = tokens()
-    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
-
-
-def test_a_stock_checkpoint_loads_then_ties_with_the_same_weights(
-    build: Callable, tmp_path: Path
-) -> None:
+    """A stock checkpoint loads, then ties; a tied model saves one copy that a stock loads."""
     stock, _, _ = stock_and_tied(build)
-    stock.save_pretrained(tmp_path)
-    model = type(stock).from_pretrained(tmp_path)
+    stock.save_pretrained(tmp_path / "stock")
+    model = type(stock).from_pretrained(tmp_path / "stock")
     head = tie_output_embeddings(model)
     assert_tied(model, head)
-    expected = stock.state_dict()
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
+    expected = {k: v for k, v in stock.state_dict().items() if k != "lm_head.weight"}
+    torch.testing.assert_close(model.state_dict(), expected, rtol=0, atol=0)
     ids = tokens()
     torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
+    with torch.no_grad():
+        head.weight.add_(1.0)  # differs from any fresh initialisation
+    model.save_pretrained(tmp_path / "tied")
+    saved = load_file(tmp_path / "tied" / "model.safetensors")
+    assert set(saved) == set(model.state_dict())  # no "lm_head.weight"
+    loaded = type(model).from_pretrained(tmp_path / "tied")
+    assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
+    torch.testing.assert_close(loaded.lm_head.weight, head.weight, rtol=0, atol=0)
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("size", [VOCAB + 3, VOCAB - 5])
@@ -266,66 +272,6 @@ def test_a_head_inside_a_sub_model_is_tied_where_it_is() -> None:
     torch.testing.assert_close(model(ids), stock(ids), rtol=0, atol=0)
 
 
-def test_a_second_call_returns_the_same_head() -> None:
-    _, model, head = stock_and_tied(llama)
-    assert tie_output_embeddings(model) is head
-    assert_tied(model, head)
-
-
-def test_untied_config_is_refused_and_the_model_left_alone(build: Callable) -> None:
-    model = build(tie_word_embeddings=False)
-    head = model.lm_head
-    with pytest.raises(ValueError, match="tie_word_embeddings=False: its head has") as info:
-        tie_output_embeddings(model)
-    assert type(model).__name__ in str(info.value)
-    assert str(info.value).endswith("build the model with tie_word_embeddings=True to tie it")
-    assert model.lm_head is head
-
-
-def test_a_config_without_tie_word_embeddings_counts_as_untied() -> None:
-    # As transformers reads it: only a config that says so ties the word embeddings.
-    model = llama()
-    model.config = types.SimpleNamespace()
-    with pytest.raises(ValueError, match="tie_word_embeddings=True"):
-        tie_output_embeddings(model)
-    assert isinstance(model.lm_head, nn.Linear)
-
-
-def test_a_model_without_output_embeddings_is_refused() -> None:
-    model = LlamaModel(llama().config)
-    with pytest.raises(ValueError, match="no output embeddings") as info:
-        tie_output_embeddings(model)
-    assert str(info.value).endswith("tie a model with an LM head, such as a ...ForCausalLM class")
-
-
-def test_a_module_that_is_not_a_transformers_model_is_refused() -> None:
-    with pytest.raises(TypeError, match="PreTrainedModel") as info:
-        tie_output_embeddings(nn.Linear(2, 2))  # type: ignore[arg-type]
-    assert "TiedLinear(embedding)" in str(info.value)
-    with pytest.raises(TypeError, match="got Tensor"):
-        tie_output_embeddings(torch.ones(2))  # type: ignore[arg-type]
-
-
-def test_a_head_with_weights_of_its_own_is_refused() -> None:
-    model = llama()
-    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
-    linear = model.lm_head
-    with pytest.raises(ValueError, match="so the model's logits do not come from it") as info:
-        tie_output_embeddings(model)
-    assert str(info.value).endswith("tying would change them: save and load it tied first")
-    assert model.lm_head is linear
-    assert model._tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
-
-
-def test_a_head_without_a_weight_is_refused() -> None:
-    model = llama()
-    del model.lm_head
-    model.lm_head = nn.Identity()
-    with pytest.raises(ValueError, match="do not share the input embeddings' weight"):
-        tie_output_embeddings(model)
-    assert isinstance(model.lm_head, nn.Identity)
-
-
 class BiasFreeHead(nn.Module):
     """A head module of its own, without a ``bias`` attribute, on the embedding's weight."""
 
@@ -348,24 +294,133 @@ def test_a_head_module_without_a_bias_attribute_is_tied() -> None:
     torch.testing.assert_close(model(ids).logits, stock(ids).logits)
 
 
-def test_a_head_with_a_bias_is_refused() -> None:
-    model = llama()
-    model.lm_head.bias = nn.Parameter(torch.zeros(VOCAB))
-    with pytest.raises(ValueError, match="has a bias"):
-        tie_output_embeddings(model)
-    assert isinstance(model.lm_head, nn.Linear)
-
-
-def test_a_head_tied_elsewhere_is_refused() -> None:
-    model = llama()
-    other = TiedLinear(nn.Embedding(VOCAB, 16))
+def _set_head(model: PreTrainedModel, head: nn.Module) -> None:
     del model.lm_head
-    model.lm_head = other
-    with pytest.raises(ValueError, match="not tied to the input embeddings"):
+    model.lm_head = head
+
+
+# How each model is made wrong, and the facts its error names: the cause, then the fix last.
+REFUSED: dict[str, tuple[Callable[[LlamaForCausalLM], object], list[str]]] = {
+    "untied": (
+        lambda m: m.config.__setattr__("tie_word_embeddings", False),
+        ["tie_word_embeddings=False", "build the model with tie_word_embeddings=True to tie it"],
+    ),
+    # As transformers reads it: only a config that says so ties the word embeddings.
+    "config-without-the-flag": (
+        lambda m: setattr(m, "config", types.SimpleNamespace()),
+        ["build the model with tie_word_embeddings=True to tie it"],
+    ),
+    "own-weight": (
+        lambda m: setattr(m.lm_head, "weight", nn.Parameter(m.lm_head.weight.detach().clone())),
+        ["so the model's logits do not come from it", "save and load it tied first"],
+    ),
+    "no-weight": (
+        lambda m: _set_head(m, nn.Identity()),
+        ["do not share the input embeddings", "save and load it tied first"],
+    ),
+    "bias": (
+        lambda m: setattr(m.lm_head, "bias", nn.Parameter(torch.zeros(VOCAB))),
+        ["has a bias", "would drop"],
+    ),
+    "tied-elsewhere": (
+        lambda m: _set_head(m, TiedLinear(nn.Embedding(VOCAB, 16))),
+        ["not tied to the input embeddings"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_head_that_cannot_be_tied_is_refused_and_the_model_left_alone(name: str) -> None:
+    model = llama()
+    change, facts = REFUSED[name]
+    change(model)
+    head, keys = model.lm_head, dict(model._tied_weights_keys)
+    with pytest.raises(ValueError, match=r"^LlamaForCausalLM") as info:  # the model's class
         tie_output_embeddings(model)
-    assert model.lm_head is other
+    assert all(fact in str(info.value) for fact in facts), str(info.value)
+    assert str(info.value).endswith(facts[-1])
+    assert model.lm_head is head
+    assert model._tied_weights_keys == keys
+
+
+def test_a_model_without_an_lm_head_or_not_from_transformers_is_refused() -> None:
+    with pytest.raises(ValueError, match="no output embeddings") as info:
+        tie_output_embeddings(LlamaModel(llama().config))
+    assert str(info.value).endswith("tie a model with an LM head, such as a ...ForCausalLM class")
+    with pytest.raises(TypeError, match="PreTrainedModel") as info:
+        tie_output_embeddings(nn.Linear(2, 2))  # type: ignore[arg-type]
+    assert "TiedLinear(embedding)" in str(info.value)
+    with pytest.raises(TypeError, match="got Tensor"):
+        tie_output_embeddings(torch.ones(2))  # type: ignore[arg-type]
 
 
 def test_importing_the_package_does_not_import_transformers() -> None:
     code = "import sys, toolkit.nn; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# Under FSDP2 on two threaded ranks -----------------------------------------------------------
+
+
+class ChunkedLossLlama(LlamaForCausalLM):
+    def chunked_loss(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(ids).last_hidden_state
+        return self.lm_head.cross_entropy(hidden[:, :-1], ids[:, 1:])  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("loss_path", ["logits", "chunked_loss"])
+def test_fsdp2_training_matches_the_stock_model_in_one_process(loss_path: str) -> None:
+    """Each decoder layer is a unit, and so is the embedding (vocabulary 17, split 9 and 8),
+    kept unsharded after its forward; the loss is transformers' own from the logits, or
+    ``head.cross_entropy`` in a method registered with ``register_fsdp_forward_method``."""
+    torch.manual_seed(0)
+    stock = ChunkedLossLlama(llama(vocab_size=17).config)
+    models = [copy.deepcopy(stock) for _ in range(2)]
+    steps = [tokens(rows=4, length=6, vocab=17, seed=seed) for seed in range(3)]
+    initial = stock.model.embed_tokens.weight.detach().clone()
+    opt = torch.optim.SGD(stock.parameters(), lr=0.5)
+    expected_losses, expected_states = [], []
+    for ids in steps:  # the stock tied model, in one process, on the global batches
+        loss = stock(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected_losses.append(loss.item())
+        expected_states.append(
+            {k: v for k, v in full_state(stock).items() if k != "lm_head.weight"}
+        )
+
+    def rank_main(rank: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+        model = models[rank]
+        head = tie_output_embeddings(model)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model.model.embed_tokens, reshard_after_forward=False)
+        fully_shard(model)
+        register_fsdp_forward_method(model, "chunked_loss")
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses, states = [], []
+        for ids in steps:
+            rows = ids[2 * rank : 2 * rank + 2]
+            loss = (
+                model(rows, labels=rows).loss if loss_path == "logits" else model.chunked_loss(rows)
+            )
+            loss.backward()  # FSDP2 averages the gradients over the ranks
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)  # every rank counts as many tokens: the mean of the means
+            losses.append(total.item() / 2)
+            states.append(full_state(model))
+        assert head.tied_module is model.model.embed_tokens
+        assert model.lm_head is head
+        return losses, states
+
+    close = {"rtol": 1e-5, "atol": 1e-5}
+    for losses, states in run_threads(2, rank_main):
+        torch.testing.assert_close(losses, expected_losses, **close)
+        for actual, expected in zip(states, expected_states, strict=True):
+            assert list(actual) == list(expected)
+            torch.testing.assert_close(actual, expected, **close)
+    # The weights moved, so the parity is not that of an untrained model.
+    assert not torch.allclose(expected_states[-1]["model.embed_tokens.weight"], initial)

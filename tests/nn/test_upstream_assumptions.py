@@ -14,7 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FullyShardedDataParallel
 
+from tests.nn.distributed.tiny_lm import TinyLM
 from toolkit.nn import ModuleDefaultDict
 
 
@@ -52,3 +55,11 @@ def test_a_dcp_load_fills_only_the_keys_it_is_given(tmp_path: Path) -> None:
     dcp.load(state, checkpoint_id=tmp_path)
     fresh.load_state_dict(state["model"], strict=True)
     assert list(fresh.heads) == []
+
+
+def test_fsdp1_on_a_cpu_only_machine_needs_the_device_named(one_rank: DeviceMesh) -> None:
+    """Why the FSDP1 setups and docs/sharded-training.md pass ``device_id=torch.device("cpu")``."""
+    if torch.cuda.is_available():
+        pytest.skip("FSDP1 finds the accelerator")
+    with pytest.raises(RuntimeError, match="FSDP needs a non-CPU accelerator device"):
+        FullyShardedDataParallel(TinyLM())

@@ -1,7 +1,7 @@
-"""The multi-rank runs, each launched once and shared by the tests that read their results.
+"""The gloo launches, one per world size, shared by the tests that read their results.
 
 Starting ranks and importing torch in them costs far more than training the tiny model, so
-one launch per world size runs every setup one after another (see ``workers.main``).
+one launch per world size runs every check one after another (see ``workers.main``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,8 @@ from tests.nn.ranks import RanksFailedError, run_processes
 # the bound is killed, so no hang can stall the suite.
 TIMEOUT = 240.0
 
-# The setups each world size runs. Three ranks on two cores are slower: they run the
-# setups whose sharding differs most from the two-rank one.
-WORLDS = {
-    2: list(workers.SETUPS),
-    3: ["fsdp2_blocks", "fsdp2_grouped", "fsdp1_flat_params"],
-}
+# The setups of ``tiny_lm`` each world size runs; the others run on threaded ranks.
+WORLDS: dict[int, list[str]] = {2: list(workers.FSDP1_SETUPS)}
 # Further world sizes that only modules of ``workers.CHECK_MODULES`` use; they run no setup.
 for _module in workers.CHECK_MODULES:
     for _size in importlib.import_module(_module).WORLD_SIZES:
