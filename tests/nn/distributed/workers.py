@@ -334,7 +334,6 @@ CHECK_MODULES: tuple[str, ...] = (
     "tests.nn.distributed.entries_checks",
     "tests.nn.distributed.pipeline_checks",
     "tests.nn.distributed.mutation_checks",
-    "tests.nn.distributed.cross_entropy_checks",
     "tests.nn.distributed.hf_checks",
     "tests.nn.distributed.three_stage_checks",
 )
