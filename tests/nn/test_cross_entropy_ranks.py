@@ -1,19 +1,18 @@
-"""TiedLinear.cross_entropy on several ranks (threads): a vocabulary-sharded weight, and FSDP2.
+"""TiedLinear.cross_entropy on threaded ranks: a vocabulary-sharded weight, and FSDP2.
 
-``RowwiseParallel`` shards the tied embedding on the vocabulary, unevenly (17 rows: 9 and 8).
-Each rank's loss and gradients are compared with ``F.cross_entropy`` in one process on the
-whole weight, with targets at both ends of every rank's rows, and some ignored.
+Each rank's results are compared with ``F.cross_entropy`` in one process on the whole weight.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -27,9 +26,11 @@ from toolkit.nn import TiedLinear
 DIM = 8
 
 
-def _case(vocab: int, world: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+def _case(
+    vocab: int, world: int, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> list[Tensor]:
     """The weight, input (2, 5, DIM), targets and incoming gradient of each token."""
-    generator = torch.Generator().manual_seed(vocab)
+    generator = torch.Generator().manual_seed(vocab + seed)
     weight = torch.randn(vocab, DIM, generator=generator).to(dtype)
     x = torch.randn(2, 5, DIM, generator=generator).to(dtype)
     target = torch.randint(0, vocab, (2, 5), generator=generator)
@@ -40,26 +41,18 @@ def _case(vocab: int, world: int, dtype: torch.dtype = torch.float32) -> list[to
     return [weight, x, target, torch.randn(2, 5, generator=generator)]
 
 
-def _reference(
-    weight: torch.Tensor,
-    x: torch.Tensor,
-    target: torch.Tensor,
-    upstream: torch.Tensor,
-    *,
-    z_loss: float = 0.0,
-    softcap: float | None = None,
-    chunk_size: int | None = None,
-    **options: Any,
-) -> list[torch.Tensor]:
+def _reference(*case: Tensor, **options: Any) -> list[Tensor]:
     """The loss and gradients in one process, from the logits of the whole weight."""
-    del chunk_size
+    weight, x, target, upstream = case
     x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
     logits = F.linear(x, weight).float().flatten(0, -2)
-    if softcap is not None:
+    options.pop("chunk_size", None)
+    if (softcap := options.pop("softcap", None)) is not None:
         logits = softcap * torch.tanh(logits / softcap)
     counted = target.flatten() != -100
+    lse = torch.logsumexp(logits, -1)
+    extra = torch.where(counted, options.pop("z_loss", 0.0) * lse.square(), 0.0)
     loss = F.cross_entropy(logits, target.flatten(), **options)
-    extra = torch.where(counted, z_loss * torch.logsumexp(logits, -1).square(), 0.0)
     reduction = options.get("reduction", "mean")
     if reduction == "none":
         loss = (loss + extra).reshape(target.shape)
@@ -69,7 +62,7 @@ def _reference(
     return [loss.detach(), x.grad, weight.grad]  # type: ignore[list-item]
 
 
-def _sharded_embedding(weight: torch.Tensor, mesh: Any) -> nn.Embedding:
+def _sharded_embedding(weight: Tensor, mesh: Any) -> nn.Embedding:
     emb = nn.Embedding(*weight.shape, _weight=weight.clone())
     return parallelize_module(emb, mesh, RowwiseParallel(input_layouts=Replicate()))  # type: ignore[return-value]
 
@@ -84,6 +77,7 @@ def _sharded_embedding(weight: torch.Tensor, mesh: Any) -> nn.Embedding:
         (17, 2, torch.bfloat16, {"label_smoothing": 0.1, "z_loss": 0.01}),
         (4, 3, torch.float32, {"label_smoothing": 0.1, "z_loss": 0.01, "chunk_size": 2}),  # 2, 2, 0
         (5, 3, torch.float32, {"label_smoothing": 0.1, "z_loss": 0.01, "chunk_size": 2}),  # 2, 2, 1
+        (17, 2, torch.float32, {"reduction": "sum", "sequence_parallel": True}),
     ],
 )
 def test_the_loss_and_gradients_on_a_vocabulary_shard_are_those_of_one_process(
@@ -94,8 +88,12 @@ def test_the_loss_and_gradients_on_a_vocabulary_shard_are_those_of_one_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Forward and backward reduce per-token statistics and x's gradient with all_reduce, and
-    issue no DTensor collective: no gather of the weight or of the logits."""
+    issue no DTensor collective: no gather of the weight or of the logits. Under sequence
+    parallelism the input, a DTensor sharded on the sequence, is gathered first, and each
+    rank gets the gradient of its part."""
     weight, x, target, upstream = _case(vocab, world, dtype)
+    options = dict(options)
+    sequence_parallel = options.pop("sequence_parallel", False)
     all_reduce, reduced = torch.distributed.all_reduce, []
     monkeypatch.setattr(
         torch.distributed,
@@ -103,45 +101,29 @@ def test_the_loss_and_gradients_on_a_vocabulary_shard_are_those_of_one_process(
         lambda t, **kw: reduced.append(t.shape) or all_reduce(t, **kw),
     )
 
-    def rank_main(rank: int) -> tuple[list[torch.Tensor], dict[Any, int]]:
-        emb = _sharded_embedding(weight, init_device_mesh("cpu", (world,)))
-        leaf = x.clone().requires_grad_()
+    def rank_main(rank: int) -> tuple[list[Tensor], dict[Any, int]]:
+        mesh = init_device_mesh("cpu", (world,))
+        emb, leaf = _sharded_embedding(weight, mesh), x.clone().requires_grad_()
+        given = leaf
+        if sequence_parallel:
+            part = leaf.chunk(world, dim=1)[rank]
+            given = DTensor.from_local(part, mesh, [Shard(1)], shape=x.shape, stride=x.stride())
         with CommDebugMode() as comm:
-            loss = TiedLinear(emb).cross_entropy(leaf, target, **options)
+            loss = TiedLinear(emb).cross_entropy(given, target, **options)
             loss.backward(upstream if loss.dim() else None)
         assert isinstance(emb.weight.grad, DTensor)
         assert emb.weight.grad.placements == (Shard(0),)
-        return [loss.detach(), leaf.grad, emb.weight.grad.full_tensor()], comm.get_comm_counts()
+        assert leaf.grad is not None
+        grad_x = leaf.grad.chunk(world, dim=1)[rank] if sequence_parallel else leaf.grad
+        return [loss.detach(), grad_x, emb.weight.grad.full_tensor()], comm.get_comm_counts()
 
     expected = _reference(weight, x, target, upstream, **options)
     tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
-    for result, collectives in run_threads(world, rank_main):
-        for actual, wanted in zip(result, expected, strict=True):
-            torch.testing.assert_close(actual, wanted.to(actual.dtype), **tolerance)
-        assert not collectives
+    for rank, (result, collectives) in enumerate(run_threads(world, rank_main)):
+        part = expected[1].chunk(world, dim=1)[rank] if sequence_parallel else expected[1]
+        torch.testing.assert_close(result, [expected[0], part, expected[2]], **tolerance)
+        assert sequence_parallel or not collectives
     assert reduced
-
-
-def test_an_input_sharded_on_the_sequence_is_gathered_first() -> None:
-    """Under sequence parallelism the head's input is a DTensor sharded on the sequence; its
-    gradient comes back as the DTensor's, to this rank's part of the input."""
-    weight, x, target, _ = _case(17, 2)
-
-    def rank_main(rank: int) -> list[torch.Tensor]:
-        mesh = init_device_mesh("cpu", (2,))
-        leaf = x.clone().requires_grad_()
-        local = leaf.chunk(2, dim=1)[rank]
-        given = DTensor.from_local(local, mesh, [Shard(1)], shape=x.shape, stride=x.stride())
-        emb = _sharded_embedding(weight, mesh)
-        TiedLinear(emb).cross_entropy(given, target, reduction="sum").backward()
-        assert isinstance(emb.weight.grad, DTensor)
-        return [leaf.grad, emb.weight.grad.full_tensor()]  # type: ignore[list-item]
-
-    expected = _reference(weight, x, target, torch.ones(()), reduction="sum")
-    for rank, (grad_x, grad_w) in enumerate(run_threads(2, rank_main)):
-        part = slice(0, 3) if rank == 0 else slice(3, 5)
-        torch.testing.assert_close(grad_x[:, part], expected[1][:, part])
-        torch.testing.assert_close(grad_w, expected[2])
 
 
 @pytest.mark.parametrize("mistake", ["target-outside-the-vocabulary", "create-graph"])
@@ -150,22 +132,19 @@ def test_a_mistake_is_refused_on_every_rank_with_the_fix(mistake: str) -> None:
     if mistake == "target-outside-the-vocabulary":
         target[0, 0] = 17  # on no rank's rows
 
-    def rank_main(rank: int) -> str:
+    def rank_main(rank: int) -> tuple[type[BaseException], str]:
         leaf = x.clone().requires_grad_()
         head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
-        if mistake.startswith("target"):
-            with pytest.raises(IndexError) as info:
-                head.cross_entropy(leaf, target)
-            return str(info.value)
-        loss = head.cross_entropy(leaf, target)
-        with pytest.raises(RuntimeError) as info:
-            torch.autograd.grad(loss, leaf, create_graph=True)
-        return str(info.value)
+        with pytest.raises((IndexError, RuntimeError)) as info:
+            torch.autograd.grad(head.cross_entropy(leaf, target), leaf, create_graph=True)
+        return info.type, str(info.value)
 
-    for message in run_threads(2, rank_main):
+    for error, message in run_threads(2, rank_main):
         if mistake.startswith("target"):
+            assert error is IndexError
             assert "target 17 is out of bounds for a vocabulary of 17" in message
             continue
+        assert error is RuntimeError
         assert message.startswith("TiedLinear.cross_entropy on a vocabulary-sharded weight")
         assert "support a backward that builds a graph (create_graph=True, torch.func)" in message
         assert "compute the logits with head(x) and take F.cross_entropy of them inside" in message
@@ -176,82 +155,77 @@ def test_on_a_dp_by_tp_mesh_only_the_tensor_parallel_group_is_reduced() -> None:
     """2 data-parallel replicas x 2 tensor-parallel ranks, each replica its own batch: a
     statistic reduced over all 4 ranks would be wrong. The logits are in the hundreds, where
     only the largest logit keeps the exponentials finite."""
-    generator = torch.Generator().manual_seed(4)
-    weight = torch.randn(17, DIM, generator=generator) * 30.0
-    xs = torch.randn(2, 6, DIM, generator=generator)
-    targets = torch.randint(0, 17, (2, 6), generator=generator)
-    one = torch.ones(())
-    expected = [
-        _reference(weight, x, t, one, label_smoothing=0.1) for x, t in zip(xs, targets, strict=True)
-    ]
+    weight = _case(17, 2)[0] * 30.0
+    batches = [_case(17, 2, seed=seed)[1:3] for seed in (1, 2)]
+    expected = [_reference(weight, x, t, torch.ones(()), label_smoothing=0.1) for x, t in batches]
 
-    def rank_main(rank: int) -> list[torch.Tensor]:
+    def rank_main(rank: int) -> list[Tensor]:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        replica = mesh.get_local_rank("dp")
         emb = _sharded_embedding(weight, mesh["tp"])
-        x = xs[replica].clone().requires_grad_()
-        loss = TiedLinear(emb).cross_entropy(x, targets[replica], label_smoothing=0.1)
-        loss.backward()
+        x, target = batches[mesh.get_local_rank("dp")]
+        leaf = x.clone().requires_grad_()
+        TiedLinear(emb).cross_entropy(leaf, target, label_smoothing=0.1).backward()
         assert isinstance(emb.weight.grad, DTensor)
-        return [loss.detach(), x.grad, emb.weight.grad.full_tensor()]  # type: ignore[list-item]
+        return [leaf.grad, emb.weight.grad.full_tensor()]  # type: ignore[list-item]
 
     for rank, result in enumerate(run_threads(4, rank_main)):
-        for actual, wanted in zip(result, expected[rank // 2], strict=True):
-            torch.testing.assert_close(actual, wanted, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(result, expected[rank // 2][1:], rtol=1e-4, atol=1e-4)
 
 
 class _LossLM(TiedLM):
     """The loss taken by ``head.cross_entropy`` in the root's forward, or in a method."""
 
-    def forward(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, idx: Tensor, target: Tensor) -> Tensor:  # type: ignore[override]
         return self.head.cross_entropy(self.trunk(idx), target)
 
-    def loss(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.head.cross_entropy(self.trunk(idx), target)
+    loss = forward
+
+
+def _sgd(loss_of: Callable[[int], Tensor], model: nn.Module) -> list[Tensor]:
+    """The losses of two steps of SGD on ``loss_of(step)``."""
+    opt, losses = torch.optim.SGD(model.parameters(), lr=0.5), []
+    for step in range(2):
+        opt.zero_grad()
+        losses.append(loss_of(step))
+        losses[-1].backward()
+        opt.step()
+    return [loss.detach() for loss in losses]
 
 
 @pytest.mark.parametrize("where", ["forward", "registered-method"])
 def test_under_fsdp2_it_trains_as_one_process_inside_a_forward(where: str) -> None:
-    """2 ranks, each its own batch, 2 steps of SGD: the losses and the weights are those of one
-    process on the whole batch. Outside any forward the weight is sharded, and refused."""
+    """2 ranks, each its own batch: the losses and the weights are those of one process on the
+    whole batch. Outside any forward the weight is sharded, and refused with the fix."""
     model = _LossLM()
     idx, target = torch.randint(0, 17, (2, 2, 2, 3)), torch.randint(0, 17, (2, 2, 2, 3))
-    reference = copy.deepcopy(model)
-    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
-    expected = []
-    for step in range(2):
-        opt.zero_grad()
-        emb = reference.trunk[0]
-        losses = [
-            F.cross_entropy(F.linear(reference.trunk(i), emb.weight).flatten(0, 1), t.flatten())
-            for i, t in zip(idx[step], target[step], strict=True)
-        ]
-        (sum(losses) / 2).backward()
-        opt.step()
-        expected.append(torch.stack(losses).detach())
+    ref = copy.deepcopy(model)
 
-    def rank_main(rank: int) -> tuple[str, list[torch.Tensor], dict[str, torch.Tensor]]:
-        sharded = fully_shard(copy.deepcopy(model), mesh=init_device_mesh("cpu", (2,)))
+    def plain(step: int, rank: int) -> Tensor:
+        logits = F.linear(ref.trunk(idx[step, rank]), ref.trunk[0].weight)
+        return F.cross_entropy(logits.flatten(0, 1), target[step, rank].flatten())
+
+    expected = _sgd(lambda step: (plain(step, 0) + plain(step, 1)) / 2, ref)
+
+    def rank_main(rank: int) -> tuple[str, list[Tensor], dict[str, Tensor]]:
+        sharded: Any = fully_shard(copy.deepcopy(model), mesh=init_device_mesh("cpu", (2,)))
         with pytest.raises(RuntimeError) as info:  # before any forward: sharded
             sharded.head.cross_entropy(torch.randn(3, DIM), target[0, rank, 0])
         if where == "registered-method":
             register_fsdp_forward_method(sharded, "loss")
         call = sharded.loss if where == "registered-method" else sharded
-        opt = torch.optim.SGD(sharded.parameters(), lr=0.5)
-        losses = []
-        for step in range(2):
-            opt.zero_grad()
-            loss = call(idx[step, rank], target[step, rank])
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        state = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
-        return str(info.value), losses, state
+        losses = _sgd(lambda step: call(idx[step, rank], target[step, rank]), sharded)
+        return (
+            str(info.value),
+            losses,
+            {k: v.full_tensor() for k, v in sharded.state_dict().items()},
+        )
 
-    for rank, (message, losses, state) in enumerate(run_threads(2, rank_main)):
+    results = run_threads(2, rank_main)
+    for message, _, state in results:
         assert message.startswith("TiedLinear.cross_entropy cannot use the weight of")
         for fact in ("Embedding(17, 8)", "(Shard(dim=0),)", "register_fsdp_forward_method"):
             assert fact in message
-        torch.testing.assert_close(torch.stack(losses), torch.stack(expected)[:, rank])
-        for key, value in reference.state_dict().items():
+        for key, value in ref.state_dict().items():
             torch.testing.assert_close(state[key], value, msg=key)
+    means = [(a + b) / 2 for a, b in zip(results[0][1], results[1][1], strict=True)]
+    torch.testing.assert_close(means, expected)
