@@ -232,8 +232,9 @@ def test_reads_the_weight_live_takes_any_integer_targets_and_calls_no_linear_hoo
 @pytest.mark.parametrize("dtype", [torch.bfloat16, F16, F64, F32])
 @pytest.mark.parametrize("grad_mode", [False, True])
 @pytest.mark.parametrize("needs", ["both", "x", "weight"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])  # gradients saved, or recomputed
 def test_backward_gives_each_gradient_needed_in_its_input_dtype_and_none_other(
-    dtype: torch.dtype, grad_mode: bool, needs: str
+    dtype: torch.dtype, grad_mode: bool, needs: str, reduction: str
 ) -> None:
     """Called on the node, with no engine to convert or drop what it returns, in grad mode off
     (the engine's) and on (create_graph's); float32 under bfloat16 autocast. x's gradient
@@ -242,16 +243,16 @@ def test_backward_gives_each_gradient_needed_in_its_input_dtype_and_none_other(
     x.requires_grad_(needs != "weight")
     weight.requires_grad_(needs != "x")
     with torch.autocast("cpu", torch.bfloat16, enabled=dtype == F32):
-        loss = linear_cross_entropy(x, weight, target, chunk_size=4)
-        both = linear_cross_entropy(*_leaves(x, weight), target, chunk_size=4)
+        loss = linear_cross_entropy(x, weight, target, chunk_size=4, reduction=reduction)
+        both = linear_cross_entropy(*_leaves(x, weight), target, chunk_size=4, reduction=reduction)
     node: Any = loss.grad_fn  # the custom Function's node: one gradient per output
     with torch.set_grad_enabled(grad_mode):
-        grad_x, grad_w, *rest = node.apply(torch.ones((), dtype=loss.dtype), None, None)
-        both_x = both.grad_fn.apply(torch.ones((), dtype=loss.dtype), None, None)[0]
+        grad_x, grad_w, *rest = node.apply(torch.ones_like(loss), None, None)
+        both_x = both.grad_fn.apply(torch.ones_like(loss), None, None)[0]
     assert all(grad is None for grad in rest)
     assert (grad_x is None, grad_w is None) == (needs == "weight", needs == "x")
     assert grad_x is None or torch.equal(grad_x, both_x)
-    plain = _loss_and_grads(_plain(target), x, weight)
+    plain = _loss_and_grads(_plain(target, reduction=reduction), x, weight)
     for grad, expected in zip((grad_x, grad_w), plain[1:], strict=True):
         assert grad is None or grad.dtype == dtype
         if grad is not None and dtype != F32:  # autocast's products: in the autocast tests

@@ -152,9 +152,8 @@ def test_a_mistake_is_refused_on_every_rank_with_the_fix(mistake: str) -> None:
 
 
 def test_on_a_dp_by_tp_mesh_only_the_tensor_parallel_group_is_reduced() -> None:
-    """2 data-parallel replicas x 2 tensor-parallel ranks, each replica its own batch: a
-    statistic reduced over all 4 ranks would be wrong. The logits are in the hundreds, where
-    only the largest logit keeps the exponentials finite."""
+    """2 data-parallel replicas x 2 tensor-parallel ranks, each its own batch, logits in the
+    hundreds (only the largest keeps exponentials finite): reduced over 4 ranks, it fails."""
     weight = _case(17, 2)[0] * 30.0
     batches = [_case(17, 2, seed=seed)[1:3] for seed in (1, 2)]
     expected = [_reference(weight, x, t, torch.ones(()), label_smoothing=0.1) for x, t in batches]
