@@ -113,7 +113,6 @@ def test_the_loss_and_gradients_on_a_vocabulary_shard_are_those_of_one_process(
             loss.backward(upstream if loss.dim() else None)
         assert isinstance(emb.weight.grad, DTensor)
         assert emb.weight.grad.placements == (Shard(0),)
-        assert leaf.grad is not None
         grad_x = leaf.grad.chunk(world, dim=1)[rank] if sequence_parallel else leaf.grad
         return [loss.detach(), grad_x, emb.weight.grad.full_tensor()], comm.get_comm_counts()
 
