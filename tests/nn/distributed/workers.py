@@ -46,7 +46,6 @@ def process_group() -> Iterator[None]:
 # (``"tp/..."``), and ``WORLD_SIZES``, the world sizes at which it has any.
 CHECK_MODULES: tuple[str, ...] = (
     "tests.nn.distributed.pipeline_checks",
-    "tests.nn.distributed.cross_entropy_checks",
 )
 
 

@@ -256,8 +256,8 @@ def _row_losses(
 
     ``z`` is ``(rows, V)`` in the accumulation dtype, ``index`` ``(rows, 1)`` the target
     (0 where ignored) and ``keep`` ``(rows,)`` the counted rows; ignored rows give 0 and a
-    zero gradient. In place, ``z`` becomes the gradient; otherwise every operation is out of
-    place, so that autograd can differentiate it again.
+    zero gradient. In place, ``z`` becomes the gradient; otherwise ``z`` and what backward
+    saves are left unchanged, so that autograd can differentiate it again.
     """
     vocab = z.shape[1] if o.shard is None else o.shard.vocab
     eps, cap = o.label_smoothing, o.softcap
@@ -281,19 +281,17 @@ def _row_losses(
         return row, None
     # d row / d z = p * (1 + 2 c lse) - (1 - eps) onehot - eps / V, on counted rows.
     counted = keep.to(z.dtype)
-    scale = counted * (1.0 + 2.0 * o.z_loss * lse) if o.z_loss else counted
-    grad = p.mul_(scale.unsqueeze(1)) if inplace else p * scale.unsqueeze(1)
+    scale = (counted * (1.0 + 2.0 * o.z_loss * lse)).unsqueeze(1)
+    # Out of place, p is saved by the softmax's backward; the product is a fresh tensor that no
+    # backward saves, so it is updated in place from here on in both modes.
+    grad = p.mul_(scale) if inplace else p * scale
     if eps:
-        shift = (counted * (eps / vocab)).unsqueeze(1)
-        grad = grad.sub_(shift) if inplace else grad - shift
+        grad.sub_((counted * (eps / vocab)).unsqueeze(1))
     onehot = -(1.0 - eps) * counted.unsqueeze(1) * stats.here
-    column = stats.column
     if grad.shape[1]:  # a rank may hold no rows of a sharded vocabulary
-        grad = (
-            grad.scatter_add_(1, column, onehot) if inplace else grad.scatter_add(1, column, onehot)
-        )
+        grad.scatter_add_(1, stats.column, onehot)
     if slope is not None:  # through the soft-cap
-        grad = grad.mul_(slope) if inplace else grad * slope
+        grad.mul_(slope)
     return row, grad
 
 
@@ -315,8 +313,8 @@ class _Gradients:
             if want_x and self.inplace
             else None
         )
-        self.x_parts: list[torch.Tensor] = []
-        self.x_shape, self.device = x.shape, x.device
+        # No rows of x: with no tokens the gradient is this empty start, on x's device.
+        self.x_parts: list[torch.Tensor] = [x.detach()[:0]]
         self.weight = torch.zeros(weight.shape, dtype=self.acc, device=x.device) if want_w else None
 
     def add(self, start: int, grad: torch.Tensor, x_c: torch.Tensor, w_mm: torch.Tensor) -> None:
@@ -331,11 +329,9 @@ class _Gradients:
             self.weight = self.weight + grad.t().mm(x_c.to(self.acc))
 
     def x(self) -> torch.Tensor | None:
-        """The gradient of x, in the products' dtype, or None if not wanted."""
+        """The gradient of x, or None if not wanted; backward gives it x's dtype."""
         if self.x_buffer is not None or not self.want_x:
             return self.x_buffer
-        if not self.x_parts:  # no tokens
-            return torch.zeros(self.x_shape, dtype=self.mm, device=self.device)
         return torch.cat(self.x_parts)
 
 
@@ -370,8 +366,9 @@ def _chunks(
 
     ``x`` is ``(N, D)``, ``target`` ``(N,)``; ``row_weight`` ``(N,)`` is the incoming gradient
     of each token's loss, or None for one per token. The gradient of ``x`` has the products'
-    dtype, the weight's the accumulation dtype. Under grad mode every operation is out of
-    place and differentiable; otherwise the chunk's buffers are reused in place.
+    dtype (or x's, if wider, out of place), the weight's the accumulation dtype. Under grad
+    mode every operation is out of place and differentiable, but for updates of fresh
+    results; otherwise the chunk's buffers are reused in place.
     """
     num_tokens, vocab = x.shape[0], weight.shape[0]
     acc = _accumulation_dtype(o.mm_dtype)
@@ -418,7 +415,7 @@ def _reduce(rows: torch.Tensor, target: torch.Tensor, o: _Options) -> torch.Tens
     if o.reduction == "sum":
         return rows.sum()
     # A mean of no counted token is 0 / 0 = nan, as in F.cross_entropy.
-    return rows.sum() / (target != o.ignore_index).sum().to(rows.dtype)
+    return rows.sum() / (target != o.ignore_index).sum()
 
 
 def _select(b: int, arg: object, dim: object) -> object:
