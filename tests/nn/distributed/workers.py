@@ -44,9 +44,7 @@ def process_group() -> Iterator[None]:
 # ``checks(world_size: int, checkpoint_dir: Path) -> dict[str, Callable[[], Any]]``, returning
 # the checks it runs at that world size under names prefixed by its own subject
 # (``"tp/..."``), and ``WORLD_SIZES``, the world sizes at which it has any.
-CHECK_MODULES: tuple[str, ...] = (
-    "tests.nn.distributed.pipeline_checks",
-)
+CHECK_MODULES: tuple[str, ...] = ("tests.nn.distributed.pipeline_checks",)
 
 
 def extra_checks(world_size: int, checkpoint_dir: Path) -> dict[str, Callable[[], Any]]:
