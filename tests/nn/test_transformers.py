@@ -31,7 +31,8 @@ from transformers import (
 )
 
 from tests.nn.distributed.tiny_lm import full_state
-from tests.nn.ranks import run_threads
+from tests.nn.distributed.workers import process_group
+from tests.nn.ranks import run_processes, run_threads
 from toolkit.nn import TiedLinear, tie_output_embeddings
 
 VOCAB = 61
@@ -359,7 +360,7 @@ def test_importing_the_package_does_not_import_transformers() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# Under FSDP2 on two threaded ranks -----------------------------------------------------------
+# Under FSDP2 on two ranks: threads, and gloo processes -------------------------------------
 
 
 class ChunkedLossLlama(LlamaForCausalLM):
@@ -368,19 +369,62 @@ class ChunkedLossLlama(LlamaForCausalLM):
         return self.lm_head.cross_entropy(hidden[:, :-1], ids[:, 1:])  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("loss_path", ["logits", "chunked_loss"])
-def test_fsdp2_training_matches_the_stock_model_in_one_process(loss_path: str) -> None:
-    """Each decoder layer is a unit, and so is the embedding (vocabulary 17, split 9 and 8),
-    kept unsharded after its forward; the loss is transformers' own from the logits, or
-    ``head.cross_entropy`` in a method registered with ``register_fsdp_forward_method``."""
+STEPS = [tokens(rows=4, length=6, vocab=17, seed=seed) for seed in range(3)]
+
+
+def fsdp2_training(
+    model: ChunkedLossLlama, loss_path: str
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """One rank's run: each decoder layer a unit, and the embedding (vocabulary 17, split 9
+    and 8), kept unsharded after its forward; the loss is transformers' own from the logits,
+    or ``head.cross_entropy`` in a method registered with ``register_fsdp_forward_method``."""
+    rank = dist.get_rank()
+    head = tie_output_embeddings(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model.model.embed_tokens, reshard_after_forward=False)
+    fully_shard(model)
+    register_fsdp_forward_method(model, "chunked_loss")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, states = [], []
+    for ids in STEPS:
+        rows = ids[2 * rank : 2 * rank + 2]
+        loss = model(rows, labels=rows).loss if loss_path == "logits" else model.chunked_loss(rows)
+        loss.backward()  # FSDP2 averages the gradients over the ranks
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # every rank counts as many tokens: the mean of the means
+        losses.append(total.item() / 2)
+        states.append(full_state(model))
+    assert head.tied_module is model.model.embed_tokens
+    assert model.lm_head is head
+    return losses, states
+
+
+def stock_llama() -> ChunkedLossLlama:
     torch.manual_seed(0)
-    stock = ChunkedLossLlama(llama(vocab_size=17).config)
+    return ChunkedLossLlama(llama(vocab_size=17).config)
+
+
+def fsdp2_training_in_a_process(
+    loss_path: str,
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    with process_group():
+        return fsdp2_training(stock_llama(), loss_path)
+
+
+# Threads for the mutation pass; gloo processes ("distributed", which the slow pass runs) as
+# the proof with real collectives.
+@pytest.mark.parametrize("ranks", ["threads", "distributed"])
+@pytest.mark.parametrize("loss_path", ["logits", "chunked_loss"])
+def test_fsdp2_training_matches_the_stock_model_in_one_process(loss_path: str, ranks: str) -> None:
+    stock = stock_llama()
     models = [copy.deepcopy(stock) for _ in range(2)]
-    steps = [tokens(rows=4, length=6, vocab=17, seed=seed) for seed in range(3)]
     initial = stock.model.embed_tokens.weight.detach().clone()
     opt = torch.optim.SGD(stock.parameters(), lr=0.5)
     expected_losses, expected_states = [], []
-    for ids in steps:  # the stock tied model, in one process, on the global batches
+    for ids in STEPS:  # the stock tied model, in one process, on the global batches
         loss = stock(ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -389,35 +433,12 @@ def test_fsdp2_training_matches_the_stock_model_in_one_process(loss_path: str) -
         expected_states.append(
             {k: v for k, v in full_state(stock).items() if k != "lm_head.weight"}
         )
-
-    def rank_main(rank: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-        model = models[rank]
-        head = tie_output_embeddings(model)
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model.model.embed_tokens, reshard_after_forward=False)
-        fully_shard(model)
-        register_fsdp_forward_method(model, "chunked_loss")
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        losses, states = [], []
-        for ids in steps:
-            rows = ids[2 * rank : 2 * rank + 2]
-            loss = (
-                model(rows, labels=rows).loss if loss_path == "logits" else model.chunked_loss(rows)
-            )
-            loss.backward()  # FSDP2 averages the gradients over the ranks
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().clone()
-            dist.all_reduce(total)  # every rank counts as many tokens: the mean of the means
-            losses.append(total.item() / 2)
-            states.append(full_state(model))
-        assert head.tied_module is model.model.embed_tokens
-        assert model.lm_head is head
-        return losses, states
-
+    if ranks == "threads":
+        results = run_threads(2, lambda rank: fsdp2_training(models[rank], loss_path))
+    else:  # real processes, as torchrun starts them
+        results = run_processes(2, fsdp2_training_in_a_process, loss_path, timeout=300)
     close = {"rtol": 1e-5, "atol": 1e-5}
-    for losses, states in run_threads(2, rank_main):
+    for losses, states in results:
         torch.testing.assert_close(losses, expected_losses, **close)
         for actual, expected in zip(states, expected_states, strict=True):
             assert list(actual) == list(expected)
