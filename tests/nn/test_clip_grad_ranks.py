@@ -247,6 +247,18 @@ def test_a_one_rank_pipeline_in_a_larger_world_communicates_nothing(
     assert reduced == {0: [], 1: []}
 
 
+@pytest.mark.parametrize("norm_type", [2.0, INF, -INF])
+def test_pipeline_clipping_without_any_gradient_gives_zero_as_torch(norm_type: float) -> None:
+    expected = torch.nn.utils.clip_grad_norm_([nn.Parameter(torch.zeros(2))], 1.0, norm_type)
+
+    def rank_main(rank: int) -> torch.Tensor:
+        frozen = nn.Parameter(torch.zeros(3))
+        return pipeline_clip_grad_norm_(frozen, 1.0, norm_type, group=dist.group.WORLD)
+
+    for norm in run_threads(2, rank_main):
+        torch.testing.assert_close(norm, expected)
+
+
 @pytest.mark.parametrize(
     ("norm_type", "bad", "holder"),
     [(2.0, INF, 1), (INF, math.nan, 0), (INF, math.nan, 1), (-INF, math.nan, 1)],
