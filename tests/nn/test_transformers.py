@@ -135,6 +135,22 @@ def test_tie_weights_after_set_input_embeddings_ties_the_head_to_the_new_one(
     torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
 
 
+def test_tie_weights_passes_its_arguments_to_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = llama()
+    received = []
+    own = type(model).tie_weights
+
+    def recording(self: PreTrainedModel, *args: object, **kwargs: object) -> None:
+        received.append((args, kwargs))
+        own(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "tie_weights", recording)
+    head = tie_output_embeddings(model)
+    model.tie_weights(None, recompute_mapping=False)
+    assert received == [((None,), {"recompute_mapping": False})]
+    assert_tied(model, head)
+
+
 def test_forward_gives_the_stock_logits_loss_and_gradient(build: Callable) -> None:
     stock, model, _ = stock_and_tied(build)
     ids = tokens()

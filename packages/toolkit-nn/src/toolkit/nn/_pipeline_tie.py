@@ -383,14 +383,14 @@ def pipeline_clip_grad_norm_(
     if dist.get_world_size(pipeline) == 1:
         pass  # one rank holds the whole pipeline: its norm is the total
     elif math.isinf(norm_type):
-        # The largest (inf) or smallest (-inf) of the ranks' norms is the MAX of norm * sign,
-        # where a rank without gradients takes no part; no gradient anywhere gives 0, as in
-        # torch. gloo's MAX may drop a nan: whether any rank's norm is nan rides beside it.
-        sign = math.copysign(1.0, norm_type)
-        signed = total * sign if counted else torch.tensor(-math.inf, dtype=torch.float64)
+        # The largest (inf) or smallest (-inf) of the ranks' norms, which are never negative,
+        # is the absolute value of the MAX of the norms signed as norm_type; a rank without
+        # gradients takes no part, and no gradient anywhere gives 0, as in torch. gloo's MAX
+        # may drop a nan: whether any rank's norm is nan rides beside it.
+        signed = total.copysign(norm_type) if counted else total.new_tensor(-math.inf)
         both = torch.stack([signed, total.isnan(), torch.tensor(float(bool(counted)))])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pipeline)
-        total = torch.where(both[2] > 0, both[0] * sign, 0.0)
+        total = torch.where(both[2] > 0, both[0].abs(), 0.0)
         total = torch.where(both[1] > 0, math.nan, total)
     elif norm_type == 0:
         dist.all_reduce(total, group=pipeline)  # the ranks' counts of nonzero elements add

@@ -94,8 +94,7 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
         setattr(owner, name, mapping)
     # transformers' tie_weights() ties the head to the input embeddings of the moment, a
     # new one after set_input_embeddings(): the model's own does the same for this head.
-    if "tie_weights" not in vars(model):
-        hf.tie_weights = functools.partial(_tie_weights, model, names[0], hf.tie_weights)
+    hf.tie_weights = functools.partial(_tie_weights, model, names[0], hf.tie_weights)
     return head
 
 
