@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from tests.docs.examples import python_blocks
-from tests.nn.distributed import workers
 from tests.nn.ranks import RanksFailedError, run_processes
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -37,13 +36,29 @@ def blocks(page: str, info: str) -> list[tuple[int, str]]:
     return [(block.line, block.code) for block in python_blocks(text, info)]
 
 
+def run_script(sources: list[tuple[int, str]], filename: str) -> dict[str, object]:
+    """In each rank: run a page's blocks in order in one namespace, as one ``torchrun`` script.
+
+    Each block is padded to its line on the page, so tracebacks point at the page. Returns the
+    namespace's picklable values, for the tests to inspect.
+    """
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    for line, source in sources:
+        exec(compile("\n" * (line - 1) + source, filename, "exec"), namespace)
+    return {
+        name: value
+        for name, value in namespace.items()
+        if isinstance(value, (str, int, float, list, tuple)) and not name.startswith("__")
+    }
+
+
 def run_page(page: str) -> list[dict[str, object]]:
     """Each rank's namespace after the page's ```py blocks ran, its picklable values only."""
     if page not in _RUNS:
         script = blocks(page, "py")
         try:
             _RUNS[page] = run_processes(
-                PAGES[page][0], workers.run_script, script, str(DOCS / page), timeout=300.0
+                PAGES[page][0], run_script, script, str(DOCS / page), timeout=300.0
             )
         except RanksFailedError as error:
             _RUNS[page] = error  # fail every test of the page without running it again

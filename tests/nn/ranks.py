@@ -4,7 +4,8 @@
   group. It is the default: fast, and every line it runs is seen by the mutation pass.
 - ``run_processes(world_size, target, *args, timeout=...)`` starts one process per rank with
   gloo, as ``torchrun`` would. It is for what threads cannot run: documentation pages and
-  examples written as scripts, and the launches that prove parity with real collectives.
+  examples written as scripts, and the launches that prove parity with real collectives. A
+  target joins the gloo group with ``with process_group():``.
 
 Both return each rank's result in rank order, and raise :class:`RanksFailedError` naming the
 rank that failed.
@@ -12,6 +13,7 @@ rank that failed.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import os
@@ -23,15 +25,24 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["RanksFailedError", "loopback_interface", "process_main", "run_processes", "run_threads"]
+__all__ = [
+    "RanksFailedError",
+    "loopback_interface",
+    "process_group",
+    "process_main",
+    "run_processes",
+    "run_threads",
+]
 
 T = TypeVar("T")
 HOST = "127.0.0.1"
 FAILURE_GRACE = 10.0
+# How long a gloo collective of a launched rank waits for its peers before it fails.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)
 
 
 class RanksFailedError(AssertionError):
@@ -212,6 +223,18 @@ def run_processes(
                 log.close()
             del store
         return _collect(workdir, procs, timeout, timed_out=timed_out)
+
+
+@contextlib.contextmanager
+def process_group() -> Iterator[None]:
+    """Inside a rank of :func:`run_processes`: join its gloo group, and leave it at the end."""
+    import torch.distributed as dist  # noqa: PLC0415 - rank processes import this module: keep it light
+
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def loopback_interface() -> str | None:

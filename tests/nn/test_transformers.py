@@ -31,8 +31,7 @@ from transformers import (
 )
 
 from tests.nn.distributed.tiny_lm import full_state
-from tests.nn.distributed.workers import process_group
-from tests.nn.ranks import run_processes, run_threads
+from tests.nn.ranks import process_group, run_processes, run_threads
 from toolkit.nn import TiedLinear, tie_output_embeddings
 
 VOCAB = 61
