@@ -422,20 +422,22 @@ def stock_llama() -> ChunkedLossLlama:
     return ChunkedLossLlama(llama(vocab_size=17).config)
 
 
-def fsdp2_training_in_a_process(
-    loss_path: str,
-) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+LOSS_PATHS = ("logits", "chunked_loss")
+Result = tuple[list[float], list[dict[str, torch.Tensor]]]
+
+
+def fsdp2_training_in_a_process() -> dict[str, Result]:
+    """In each gloo rank: both loss paths, one after the other (one launch for both)."""
     with process_group():
-        return fsdp2_training(stock_llama(), loss_path)
+        return {path: fsdp2_training(stock_llama(), path) for path in LOSS_PATHS}
 
 
 # Threads for the mutation pass; gloo processes ("distributed", which the slow pass runs) as
 # the proof with real collectives.
 @pytest.mark.parametrize("ranks", ["threads", "distributed"])
-@pytest.mark.parametrize("loss_path", ["logits", "chunked_loss"])
-def test_fsdp2_training_matches_the_stock_model_in_one_process(loss_path: str, ranks: str) -> None:
+def test_fsdp2_training_matches_the_stock_model_in_one_process(ranks: str) -> None:
     stock = stock_llama()
-    models = [copy.deepcopy(stock) for _ in range(2)]
+    models = {path: [copy.deepcopy(stock) for _ in range(2)] for path in LOSS_PATHS}
     initial = stock.model.embed_tokens.weight.detach().clone()
     opt = torch.optim.SGD(stock.parameters(), lr=0.5)
     expected_losses, expected_states = [], []
@@ -449,14 +451,23 @@ def test_fsdp2_training_matches_the_stock_model_in_one_process(loss_path: str, r
             {k: v for k, v in full_state(stock).items() if k != "lm_head.weight"}
         )
     if ranks == "threads":
-        results = run_threads(2, lambda rank: fsdp2_training(models[rank], loss_path))
+        by_path = {
+            path: run_threads(2, lambda rank, path=path: fsdp2_training(models[path][rank], path))
+            for path in LOSS_PATHS
+        }
     else:  # real processes, as torchrun starts them
-        results = run_processes(2, fsdp2_training_in_a_process, loss_path, timeout=300)
+        ranks_results = run_processes(2, fsdp2_training_in_a_process, timeout=300)
+        by_path = {path: [result[path] for result in ranks_results] for path in LOSS_PATHS}
     close = {"rtol": 1e-5, "atol": 1e-5}
-    for losses, states in results:
-        torch.testing.assert_close(losses, expected_losses, **close)
-        for actual, expected in zip(states, expected_states, strict=True):
-            assert list(actual) == list(expected)
-            torch.testing.assert_close(actual, expected, **close)
+    for path, results in by_path.items():
+
+        def named(message: str, path: str = path) -> str:
+            return f"{path}: {message}"
+
+        for losses, states in results:
+            torch.testing.assert_close(losses, expected_losses, **close, msg=named)
+            for actual, expected in zip(states, expected_states, strict=True):
+                assert list(actual) == list(expected), path
+                torch.testing.assert_close(actual, expected, **close, msg=named)
     # The weights moved, so the parity is not that of an untrained model.
     assert not torch.allclose(expected_states[-1]["model.embed_tokens.weight"], initial)
