@@ -365,6 +365,24 @@ def report(outcome: Outcome, seconds: float) -> bool:
     return not outcome.survivors and not outcome.stale
 
 
+def second_run(
+    found: dict[str, tuple[Mutant, str]], equivalents: Sequence[Equivalent]
+) -> list[str]:
+    """The mutants whose fast-pass verdict a busy machine could have decided: run them again.
+
+    mutmut counts a mutant whose tests use far more CPU time than the clean run as a hang, and
+    a test can fail on a time bound (a Hypothesis deadline, a rank's join bound) when the
+    machine is busy. A listed equivalent killed that way would make its entry look stale, so
+    it gets a second run too, on its own; killed again, the entry is stale.
+    """
+    return [
+        name
+        for name, (mutant, status) in found.items()
+        if status == "timeout"
+        or (status in DETECTED and any(entry.matches(mutant) for entry in equivalents))
+    ]
+
+
 def judge(
     found: dict[str, tuple[Mutant, str]],
     equivalents: Sequence[Equivalent],
@@ -453,12 +471,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--record --reuse needs .mutation/ to hold the sources as they are now")
     os.chdir(WORKSPACE)
     found = read_mutants(selected)
-    # mutmut counts a mutant whose tests use far more CPU time than the clean run as a hang. A
-    # busy machine can cause that too, so each one gets a second run on its own.
-    timed_out = [name for name, (_, status) in found.items() if status == "timeout"]
-    if timed_out:
-        print(f"running the {len(timed_out)} mutants that timed out again")
-        mutmut_run(timed_out, 1)
+    again = second_run(found, equivalents)
+    if again:
+        print(f"running {len(again)} mutants again: those that timed out, or listed and killed")
+        mutmut_run(again, 1)
         found = read_mutants(selected)
     outcome = judge(found, equivalents, modules, sources)
 

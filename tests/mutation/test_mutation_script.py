@@ -157,3 +157,26 @@ def test_the_patterns_of_a_package_init_match_its_mutants_only(mutation: ModuleT
     for name, wanted in names.items():
         assert any(fnmatch.fnmatchcase(name, p) for p in patterns) is wanted, name
     assert mutation.mutant_patterns("toolkit.nn._tied_linear") == ["toolkit.nn._tied_linear.*"]
+
+
+def test_a_second_run_takes_the_timed_out_and_the_listed_mutants_that_were_killed(
+    mutation: ModuleType,
+) -> None:
+    entry = mutation.Equivalent("m.f", "a = 1", "a = None", "why")
+
+    def mutant(number: int, line: str = "a = 1", changed: str = "a = None") -> object:
+        return mutation.Mutant(f"m.x_f__mutmut_{number}", "src/m.py", "m.f", line, changed)
+
+    found = {
+        "listed-killed": (mutant(1), "killed"),
+        "listed-alive": (mutant(2), "survived"),
+        "unlisted-killed": (mutant(3, changed="a = 2"), "killed"),
+        "unlisted-timeout": (mutant(4, changed="a = 3"), "timeout"),
+        "listed-timeout": (mutant(5), "timeout"),
+    }
+    assert mutation.second_run(found, [entry]) == [
+        "listed-killed",
+        "unlisted-timeout",
+        "listed-timeout",
+    ]
+    assert mutation.second_run(found, []) == ["unlisted-timeout", "listed-timeout"]
