@@ -18,6 +18,7 @@ import datetime
 import importlib
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +31,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = [
+    "RankCrashedError",
     "RanksFailedError",
+    "crashed",
     "loopback_interface",
     "process_group",
     "process_main",
@@ -50,6 +53,19 @@ class RanksFailedError(AssertionError):
 
     Raised by both harnesses; for threads, the rank's own error is the cause.
     """
+
+
+class RankCrashedError(RanksFailedError):
+    """A rank process died by a crash signal of native code (see :func:`crashed`)."""
+
+
+# The signals by which native code crashes, as opposed to the SIGKILL the harness sends.
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE})
+
+
+def crashed(returncode: int) -> bool:
+    """Whether a process that exited with ``returncode`` died by a crash of native code."""
+    return returncode < 0 and -returncode in CRASH_SIGNALS
 
 
 # A collective that one rank never reaches would hang the others: the ranks still running this
@@ -134,7 +150,9 @@ def run_processes(
     ``torchrun``. The rendezvous store is hosted in the calling process on a port the operating
     system picks (``TORCHELASTIC_USE_AGENT_STORE``, as ``torchrun``'s agent does), so no port is
     guessed, and gloo is kept on the loopback interface. Once ``timeout`` seconds have passed,
-    every rank still running is killed: a hung collective cannot stall the suite.
+    every rank still running is killed: a hung collective cannot stall the suite. A launch in
+    which a rank crashed in native code (a SIGSEGV inside torch or gloo, rare and unrelated to
+    the code under test) runs once more; a second crash fails.
 
     Args:
         world_size: How many ranks to start.
@@ -148,8 +166,18 @@ def run_processes(
 
     Raises:
         RanksFailedError: If a rank raised (its traceback is in the message), died, or was still
-            running at the time bound.
+            running at the time bound; :class:`RankCrashedError` if a rank crashed twice.
     """
+    try:
+        return _launch(world_size, target, args, timeout, grace)
+    except RankCrashedError:
+        return _launch(world_size, target, args, timeout, grace)
+
+
+def _launch(
+    world_size: int, target: Callable[..., Any], args: tuple[Any, ...], timeout: float, grace: float
+) -> list[Any]:
+    """One launch of :func:`run_processes`."""
     import torch.distributed as dist  # noqa: PLC0415 - rank processes import this module: keep it light
 
     store = dist.TCPStore(
@@ -267,12 +295,17 @@ def _collect(
                 results.append(value)
                 continue
             problems.append(f"rank {rank} raised:\n{value}")
+        elif crashed(proc.returncode):
+            name = signal.Signals(-proc.returncode).name
+            problems.append(f"rank {rank} crashed ({name}); its output:\n{log}")
         elif timed_out and proc.returncode < 0:
             problems.append(f"rank {rank} was killed at the {timeout} s bound; its output:\n{log}")
         elif proc.returncode < 0:
             problems.append(f"rank {rank} was killed after a peer failed; its output:\n{log}")
         else:
             problems.append(f"rank {rank} exited with {proc.returncode}; its output:\n{log}")
+    if any(crashed(proc.returncode) for proc in procs):
+        raise RankCrashedError("\n\n".join(problems))
     if problems:
         raise RanksFailedError("\n\n".join(problems))
     return results

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.distributed as dist
 
 from tests.nn import ranks
 from tests.nn.distributed import toy_ranks
-from tests.nn.ranks import RanksFailedError, run_processes, run_threads
+from tests.nn.ranks import RankCrashedError, RanksFailedError, run_processes, run_threads
 
 
 def test_threads_each_rank_returns_in_rank_order_and_the_collectives_combine_them() -> None:
@@ -75,3 +76,16 @@ def test_processes_ranks_still_running_at_the_bound_are_killed_and_reported() ->
         run_processes(2, toy_ranks.hang, timeout=2.0)
     assert time.monotonic() - start < 20
     assert "rank 1 was killed at the 2.0 s bound" in str(info.value)
+
+
+def test_processes_a_crash_in_native_code_relaunches_once_and_a_second_crash_fails(
+    tmp_path: Path,
+) -> None:
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    once.mkdir()
+    twice.mkdir()
+    assert run_processes(2, toy_ranks.crash_on_rank_zero, str(once), 1, timeout=60) == [0, 1]
+    assert len(list(once.iterdir())) == 1
+    with pytest.raises(RankCrashedError, match=r"rank 0 crashed \(SIGSEGV\)"):
+        run_processes(2, toy_ranks.crash_on_rank_zero, str(twice), 2, timeout=60)
+    assert len(list(twice.iterdir())) == 2

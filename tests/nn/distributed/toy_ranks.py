@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
+from pathlib import Path
 
 
 def identify(tag: str) -> tuple[int, int, str, str]:
@@ -22,3 +24,13 @@ def fail_on_rank_zero_and_hang_elsewhere() -> None:
 def hang() -> None:
     """Never return, as a rank stuck in a collective does."""
     time.sleep(3600)
+
+
+def crash_on_rank_zero(folder: str, times: int) -> int:
+    """Rank 0 dies by SIGSEGV in the first ``times`` launches (counted by files in ``folder``)."""
+    rank = int(os.environ["RANK"])
+    crashes = Path(folder)
+    if rank == 0 and len(list(crashes.iterdir())) < times:
+        (crashes / f"crash{len(list(crashes.iterdir()))}").touch()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return rank
