@@ -451,13 +451,12 @@ def test_fsdp2_training_matches_the_stock_model_in_one_process(ranks: str) -> No
             {k: v for k, v in full_state(stock).items() if k != "lm_head.weight"}
         )
     if ranks == "threads":
-        by_path = {
-            path: run_threads(2, lambda rank, path=path: fsdp2_training(models[path][rank], path))
-            for path in LOSS_PATHS
-        }
+        per_rank = run_threads(
+            2, lambda rank: {path: fsdp2_training(models[path][rank], path) for path in LOSS_PATHS}
+        )
     else:  # real processes, as torchrun starts them
-        ranks_results = run_processes(2, fsdp2_training_in_a_process, timeout=300)
-        by_path = {path: [result[path] for result in ranks_results] for path in LOSS_PATHS}
+        per_rank = run_processes(2, fsdp2_training_in_a_process, timeout=300)
+    by_path = {path: [result[path] for result in per_rank] for path in LOSS_PATHS}
     close = {"rtol": 1e-5, "atol": 1e-5}
     for path, results in by_path.items():
 
