@@ -96,15 +96,17 @@ def test_the_modules_import_each_other_without_a_loop() -> None:
         visit(name, ())
 
 
-def test_plain_tensors_never_import_torch_distributed_tensor() -> None:
+def test_plain_tensors_never_import_torch_distributed_tensor_nor_transformers() -> None:
     """torch.distributed.tensor takes seconds to import: the package imports it only when
-    TiedLinearParallel is first used, or when a DTensor already exists."""
+    TiedLinearParallel is first used, or when a DTensor already exists. transformers is a
+    test dependency only: the package never imports it."""
     code = """
 import sys
 import torch
 from torch import nn
 import toolkit.nn
 from toolkit.nn import ModuleDefaultDict, TiedLinear, clip_grad_norm_
+assert "transformers" not in sys.modules, "imported by the package"
 
 head = TiedLinear(nn.Embedding(17, 8))
 x = torch.randn(3, 8, requires_grad=True)
