@@ -1,7 +1,7 @@
 """docs/parallelism.md shows the code of examples/parallel_3d.py, included, not copied.
 
-Its Python blocks are snippet includes of sections of the example, which the tests launch on
-eight processes (tests/nn/distributed/test_parallel_3d.py); the docs run nothing more.
+Its Python blocks are snippet includes of sections of the example, which
+``test_distributed_example.py`` launches on eight processes, as the page says.
 """
 
 from __future__ import annotations
