@@ -82,6 +82,10 @@ def run_threads(world_size: int, fn: Callable[[int], T]) -> list[T]:
     global random generator: build the models in the calling thread and give each rank its own
     (``copy.deepcopy``).
 
+    The threaded backend copies with ``copy_``, which casts: a broadcast or all_reduce whose
+    ranks pass tensors of different dtypes or sizes would work here and fail, or give garbage,
+    on gloo or NCCL. Here it raises, as the rank's error.
+
     Returns what each rank returned, in rank order. If any rank raises, every rank's
     collectives are released and the error of the rank that raised first is raised again,
     chained: the others only fail because it left their collectives.
@@ -89,6 +93,8 @@ def run_threads(world_size: int, fn: Callable[[int], T]) -> list[T]:
     import torch  # noqa: PLC0415 - rank processes import this module: keep it light
     import torch.distributed as dist  # noqa: PLC0415
     from torch.testing._internal.distributed.multi_threaded_pg import (  # noqa: PLC0415
+        AllReduce,
+        Broadcast,
         ProcessLocalGroup,
         _install_threaded_pg,
         _uninstall_threaded_pg,
@@ -113,6 +119,9 @@ def run_threads(world_size: int, fn: Callable[[int], T]) -> list[T]:
     ProcessLocalGroup.reset()  # clear what a failed run before this one left
     _install_threaded_pg()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    works = {kind: kind.work for kind in (AllReduce, Broadcast)}
+    for kind, work in works.items():
+        kind.work = _matching(work)  # type: ignore[method-assign]
     try:
         # Daemon threads: a rank stuck in a collective cannot keep the test process alive.
         threads = [
@@ -125,6 +134,8 @@ def run_threads(world_size: int, fn: Callable[[int], T]) -> list[T]:
             thread.join(max(0.0, deadline - time.monotonic()))
         hung = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
     finally:
+        for kind, work in works.items():
+            kind.work = work  # type: ignore[method-assign]
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
         _uninstall_threaded_pg()
     if hung:
@@ -133,6 +144,25 @@ def run_threads(world_size: int, fn: Callable[[int], T]) -> list[T]:
         rank, error = errors[0]
         raise RanksFailedError(f"rank {rank} raised {type(error).__name__}: {error}") from error
     return results  # type: ignore[return-value] # every rank returned
+
+
+def _matching(work: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    """``work`` of a threaded collective, refusing ranks whose tensors a real backend refuses.
+
+    ``data`` holds each rank's tensors, by rank: they must agree in dtype and size.
+    """
+    from torch.utils._pytree import tree_leaves  # noqa: PLC0415
+
+    def checked(self: Any, data: Any) -> None:
+        layouts = [[(t.dtype, t.numel()) for t in tree_leaves(ranks)] for ranks in data]
+        if any(layout != layouts[0] for layout in layouts):
+            raise RuntimeError(
+                f"the ranks of a {type(self).__name__} pass tensors that differ in dtype or "
+                f"size, (dtype, numel) by rank: {layouts}; gloo and NCCL need them equal"
+            )
+        work(self, data)
+
+    return checked
 
 
 def run_processes(

@@ -35,6 +35,28 @@ def test_threads_the_first_error_is_raised_and_the_next_run_starts_clean() -> No
     assert run_threads(2, lambda rank: rank) == [0, 1]
 
 
+@pytest.mark.parametrize("collective", ["broadcast", "all_reduce"])
+@pytest.mark.parametrize("differ", ["dtype", "size"])
+def test_threads_refuse_a_collective_whose_ranks_pass_what_a_real_backend_cannot_combine(
+    collective: str, differ: str
+) -> None:
+    # The threaded backend's copy_ would cast a float64 rank's tensor, or broadcast into a
+    # larger one; gloo and NCCL move bytes, so the harness refuses both.
+    def rank_main(rank: int) -> None:
+        dtype = torch.float64 if differ == "dtype" and rank == 1 else torch.float32
+        tensor = torch.ones(3 if differ == "size" and rank == 1 else 2, dtype=dtype)
+        if collective == "broadcast":
+            dist.broadcast(tensor, src=0)
+        else:
+            dist.all_reduce(tensor)
+
+    with pytest.raises(RanksFailedError) as info:
+        run_threads(2, rank_main)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert ("float64" if differ == "dtype" else "3)") in str(info.value)
+    assert run_threads(2, lambda rank: dist.broadcast(torch.ones(2), src=0)) == [None, None]
+
+
 def test_threads_still_running_at_the_bound_fail_the_run_and_do_not_hold_the_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
