@@ -458,17 +458,24 @@ def test_dtensor_copies_are_summed_by_shard_and_fsdp2s_accumulation_onto_the_sum
     }
 
 
-def test_float64_tied_gradients_are_summed_in_float64() -> None:
-    stages = [stage.double() for stage in stages_of(0, 2)]
+def test_float64_tied_weights_are_broadcast_and_summed_in_float64() -> None:
+    # The middle stage holds no copy: it receives the set-up's and check()'s broadcasts into a
+    # buffer of its own, which a real backend needs in the copies' dtype.
+    stages = [stage.double() for stage in stages_of(0, 3)]
     small = torch.full((17, 8), 1e-12, dtype=torch.float64)
 
     def rank_main(rank: int) -> None:
         stage = copy.deepcopy(stages[rank])
         tie = PipelineTie(stage)
-        stage.emb.weight.grad = torch.ones_like(stage.emb.weight) if rank == 0 else small.clone()
+        if stage.emb is not None:
+            grad = torch.ones_like(stage.emb.weight) if rank == 0 else small.clone()
+            stage.emb.weight.grad = grad
         tie.reduce_grads()
-        assert stage.emb.weight.grad.dtype == torch.float64
-        assert torch.equal(stage.emb.weight.grad, 1.0 + small)
+        tie.check()
+        if stage.emb is not None:
+            assert stage.emb.weight.grad.dtype == torch.float64
+            assert torch.equal(stage.emb.weight.grad, 1.0 + small)
 
     assert not torch.equal(1.0 + small, (1.0 + small.float()).double())  # float32 would round
-    run_threads(2, rank_main)
+    assert stages[1].emb is None
+    run_threads(3, rank_main)
