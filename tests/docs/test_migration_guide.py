@@ -12,7 +12,6 @@ from pathlib import Path
 
 from torch import nn
 
-from benchmarks.torchtune_reference import load_tied_linear
 from toolkit.nn import TiedLinear
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,8 +27,7 @@ def test_torchtunes_activation_offloading_checks_for_its_own_class() -> None:
     assert "no output head was detected" in source
 
 
-def test_the_toolkit_head_matches_neither_of_its_checks() -> None:
-    torchtune_tied_linear, _ = load_tied_linear()
+def test_the_toolkit_head_matches_neither_of_its_checks(torchtune_tied_linear: type) -> None:
     head = TiedLinear(nn.Embedding(5, 3))
     assert not isinstance(head, nn.Module)
     assert not isinstance(head, torchtune_tied_linear)

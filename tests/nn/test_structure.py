@@ -1,5 +1,8 @@
 """The package's layout: what its modules may import from each other, and what they import lazily.
 
+The suite's own layout too: a test module imports helpers (the harness, the tiny models, the
+strategies), never another test module and never the benchmarks.
+
 Each private module ``_x.py`` keeps its ``_``-prefixed names to itself; the names several
 modules share live in ``_common.py``, the one module whose private names others import. A
 name another module needs is imported without the ``_`` (``linear_cross_entropy``), which
@@ -18,6 +21,7 @@ from torch import nn
 import toolkit.nn
 
 PACKAGE = Path(toolkit.nn.__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 SHARED = "toolkit.nn._common"
 
 
@@ -136,3 +140,22 @@ def test_docstrings_are_short_and_date_each_public_name_once() -> None:
                     added.append(getattr(node, "name", name))
     assert long == []
     assert sorted(added) == sorted(n for n in toolkit.nn.__all__ if n != "__version__")
+
+
+def test_tests_import_helpers_never_another_test_module_nor_the_benchmarks() -> None:
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module is not None:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            found += [
+                f"{path.relative_to(TESTS.parent)} imports {name}"
+                for name in names
+                if name.split(".")[0] == "benchmarks"
+                or (name.split(".")[0] == "tests" and name.split(".")[-1].startswith("test_"))
+            ]
+    assert found == []
