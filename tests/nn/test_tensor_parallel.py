@@ -6,8 +6,6 @@ Its logits, gradients and training on several ranks are tested in
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch import nn
@@ -16,7 +14,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 
 import toolkit.nn
-from tests.nn.models import TiedLM
 from toolkit.nn import TiedLinear, TiedLinearParallel
 
 
@@ -97,14 +94,3 @@ def test_logits_sharded_on_their_last_dimension_are_refused_as_a_local_tensor(
     assert head(torch.randn(2, 3, 8)).shape == (2, 3, 17)  # the sequence: allowed
     with pytest.raises(ValueError, match=r"output_layouts=Shard\(dim=1\)\) would return"):
         head(torch.randn(6, 8))
-
-
-def test_a_plan_on_the_whole_model_cannot_name_the_head(one_rank: DeviceMesh) -> None:
-    model = TiedLM()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        parallelize_module(model, one_rank, {"head.linear": TiedLinearParallel()})
-    assert [str(w.message).split(":")[0] for w in caught] == [
-        "Parallelize plan key 'head.linear' could not be resolved"
-    ]
-    assert not model.head.linear._forward_pre_hooks

@@ -242,12 +242,6 @@ class _BufferWeight(nn.Module):
         self.register_buffer("weight", torch.randn(7, 3))
 
 
-class _PlainWeight(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.randn(7, 3)  # not a Parameter, so a plain attribute
-
-
 class _PropertyOverParameter(nn.Embedding):
     """Keeps the table as the Parameter ``weight`` but presents it scaled, via a property."""
 

@@ -6,6 +6,7 @@ must answer, not a bug in it.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor.parallel import parallelize_module
 
 from tests.nn.distributed.tiny_lm import TinyLM
-from toolkit.nn import ModuleDefaultDict
+from tests.nn.models import TiedLM
+from toolkit.nn import ModuleDefaultDict, TiedLinearParallel
 
 
 def test_f_linear_takes_a_1d_weight_and_drops_the_output_feature_axis() -> None:
@@ -63,3 +66,16 @@ def test_fsdp1_on_a_cpu_only_machine_needs_the_device_named(one_rank: DeviceMesh
         pytest.skip("FSDP1 finds the accelerator")
     with pytest.raises(RuntimeError, match="FSDP needs a non-CPU accelerator device"):
         FullyShardedDataParallel(TinyLM())
+
+
+def test_parallelize_module_skips_a_plan_key_that_names_no_submodule(one_rank: DeviceMesh) -> None:
+    """Why the tensor-parallel guide applies TiedLinearParallel to the head in its own call:
+    TiedLinear is no Module, so a plan on the whole model cannot reach ``head.linear``."""
+    model = TiedLM()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallelize_module(model, one_rank, {"head.linear": TiedLinearParallel()})
+    assert [str(w.message).split(":")[0] for w in caught] == [
+        "Parallelize plan key 'head.linear' could not be resolved"
+    ]
+    assert not model.head.linear._forward_pre_hooks
