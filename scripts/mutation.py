@@ -942,9 +942,13 @@ def incremental_fast_pass(
     if unchanged(ledger, now):
         print(f"nothing differs from {shown(LEDGER)}: nothing to mutate")
         return None
-    whole = {f: why for f in now.functions if (why := why_run(ledger, f, now))}
-    print("functions to mutate in full:", *(f"{f} ({w})" for f, w in whole.items()), sep="\n  ")
-    print("and each recorded mutant whose listing, slow tests or covering tests changed")
+    if ledger is None or ledger.inputs.setup != now.setup:
+        print("no ledger" if ledger is None else "the settings or pins changed", end="")
+        print(": every mutant runs")
+    else:
+        whole = {f: why for f in now.functions if (why := why_run(ledger, f, now))}
+        print("functions to mutate in full:", *(f"{f} ({w})" for f, w in whole.items()), sep="\n  ")
+        print("and each recorded mutant whose listing, slow tests or covering tests changed")
     if only_list:
         return None
     mutants = generate_mutants(sources)

@@ -218,7 +218,8 @@ TREE = {
     "packages/toolkit-x/src/toolkit/x/m.py": MODULE,
     "tests/conftest.py": "PROFILE = 'dev'\n",
     "tests/x/conftest.py": "",
-    "tests/x/helpers.py": "ONE = 1\n",
+    "tests/x/helpers.py": "from .deep import TWO\n\nONE = 1\n",
+    "tests/x/deep.py": "TWO = 2\n",
     "tests/x/test_f.py": "from tests.x.helpers import ONE\n\ndef test_f(): ...\n",
     "tests/x/test_g.py": "def test_g(): ...\n",
     "tests/x/test_h.py": "def test_h(): ...\n",
@@ -358,11 +359,13 @@ def test_changing_a_test_file_reruns_the_mutants_of_what_it_covers(
     assert _to_run(mutation, tree, ledger, mutants, listed) == {"h:1", "f:2"}
 
 
+@pytest.mark.parametrize("helper", ["tests/x/helpers.py", "tests/x/deep.py"])
 def test_changing_a_helper_reruns_the_mutants_of_every_test_that_imports_it(
-    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any], helper: str
 ) -> None:
+    # test_f.py imports helpers.py, which imports deep.py.
     ledger = _record(mutation, tree, mutants, listed)
-    _edit(tree, "tests/x/helpers.py", "ONE = 1", "ONE = 1.0")
+    (tree / helper).write_text((tree / helper).read_text() + "THREE = 3\n")
     assert _to_run(mutation, tree, ledger, mutants, listed) == {"f:1", "f:2"}
 
 
