@@ -20,8 +20,8 @@
 A mutant that survives both passes must be listed in ``tests/mutation/equivalent.toml`` with
 the reason it cannot change behaviour; otherwise the run fails. Entries are keyed by function,
 original line and mutated line, not by mutmut's numbering, which shifts as code changes. A
-listed entry that matches no mutant of the files that were mutated is stale and also fails the
-run, so that the list stays reviewed.
+listed entry that matches no surviving mutant is stale and also fails the run, so that the
+list stays reviewed.
 
 ``--incremental`` reuses the outcomes recorded in the ledger, ``tests/mutation/ledger.toml``,
 where they still hold, and runs every other mutant; ``--record`` rewrites the ledger after a
@@ -37,10 +37,13 @@ run that passed. A recorded outcome is reused only when what decided it is uncha
   (``constraints.txt``) unchanged, and the test files that cover the function now, by mutmut's
   stats of this run, the same as recorded.
 
-Everything else runs, as in the whole run. The limit: a change outside a function (a callee,
-a module constant, a test's data file) can change whether its mutants die without changing
-anything the ledger hashes. The whole run, ``nox -s mutation``, covers that; run it, with
-``--record``, before a release.
+Everything else runs, as in the whole run. A ledger that does not describe the sources stops
+the run: a malformed one (``load_ledger``), or one that records a function's code as it is,
+under the same settings, with other mutants than mutmut makes of it (``mismatches``).
+
+The limit: a change outside a function (a callee, a module constant, a test's data file) can
+change whether its mutants die without changing anything the ledger hashes. The whole run,
+``nox -s mutation``, covers that; run it, with ``--record``, before a release.
 """
 
 from __future__ import annotations
