@@ -481,3 +481,46 @@ def test_a_mutant_key_leaves_the_number_out_and_tells_repeats_apart(mutation: Mo
     keys = mutation.mutant_keys([again, first])
     assert keys[again.name] == keys[first.name] + "#2"
     assert mutation.mutant_keys([renumbered])[renumbered.name] == keys[first.name]
+
+
+def test_recording_an_incremental_run_merges_what_it_ran_into_the_ledger(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    _edit(tree, "packages/toolkit-x/src/toolkit/x/m.py", "a * 2", "2 * a")
+    now = mutation.take_inputs(tree, mutation.source_files(tree), listed, ledger.inputs.tests)
+    plan = mutation.plan_run(ledger, now, mutants, listed)
+    found = {plan.run[0].name: (plan.run[0], "killed"), plan.run[1].name: (plan.run[1], "survived")}
+    outcome = mutation.judge(found, listed, {}, plan.reused)
+    assert mutation.report(outcome, 0.0)
+    merged = mutation.new_ledger(now, outcome, COVERING, tree)
+    assert merged.records["toolkit.x.m.g"].hash == now.functions["toolkit.x.m.g"]
+    assert merged.records["toolkit.x.m.g"].hash != ledger.records["toolkit.x.m.g"].hash
+    for function in ("toolkit.x.m.f", "toolkit.x.m.C.h"):
+        assert merged.records[function] == ledger.records[function]
+    mutation.write_ledger(tree / "ledger.toml", merged, "mutants = 5")
+    merged = mutation.load_ledger(tree / "ledger.toml")
+    assert mutation.unchanged(merged, now)
+    assert _to_run(mutation, tree, merged, mutants, listed) == set()
+
+
+def test_when_no_outcome_is_in_doubt_but_a_source_changed_the_listed_mutants_run(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    # A change outside every function: mutmut's stats of a run tell which tests reach what.
+    ledger = _record(mutation, tree, mutants, listed)
+    (tree / "packages/toolkit-x/src/toolkit/x/m.py").write_text(MODULE + "LIMIT = 3\n")
+    now = mutation.take_inputs(tree, mutation.source_files(tree), listed, ledger.inputs.tests)
+    assert not mutation.unchanged(ledger, now)
+    plan = mutation.plan_incremental(ledger, now, mutants, listed)
+    assert plan.run == [mutants[3]]
+    assert len(plan.reused) == len(mutants) - 1
+
+
+def test_an_incremental_run_stops_on_a_ledger_that_does_not_describe_the_sources(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    now = mutation.take_inputs(tree, mutation.source_files(tree), listed, ledger.inputs.tests)
+    with pytest.raises(SystemExit, match=r"toolkit\.x\.m\.C\.h"):
+        mutation.plan_incremental(ledger, now, mutants[:4], listed)
