@@ -263,16 +263,20 @@ def mutation(session: nox.Session) -> None:
     survivor missing from ``tests/mutation/equivalent.toml`` or on a stale entry there, and
     reports the score. The packages are installed, not editable: the tests import the mutated
     copy, which comes first on the path. Arguments after ``--`` go to the script:
-    ``--changed`` mutates only the sources that differ from the last recorded full run,
-    ``--record`` records a full run that passed. With ``--changed`` and nothing to mutate, it
-    skips before installing anything.
+    ``--incremental`` (what CI runs) reuses the outcomes of ``tests/mutation/ledger.toml``
+    whose function, covering test files (with their helpers and conftest files) and settings
+    are unchanged, and runs every other mutant; it fails on a ledger that does not describe
+    the sources, and skips before installing anything when nothing differs from it.
+    ``--record`` writes the ledger after a run that passed, whole or incremental. Without
+    arguments it is the whole run, which also catches what the ledger cannot see (a change
+    in a function's callee); run it with ``--record`` before a release.
     """
-    if "--changed" in session.posargs:
-        # Choosing the files needs only the standard library: skip the installs when there
-        # is nothing to mutate, as on a clean checkout of a recorded main.
+    if "--incremental" in session.posargs:
+        # Comparing with the ledger needs only the standard library: skip the installs when
+        # nothing differs from it, as on a clean checkout of a recorded main.
         plan = session.run("python", "scripts/mutation.py", "--list", *session.posargs, silent=True)
         if isinstance(plan, str) and "nothing to mutate" in plan:
-            session.skip("no source file differs from the last recorded full run")
+            session.skip("nothing differs from the ledger, tests/mutation/ledger.toml")
     session.install("-c", str(CONSTRAINTS), *map(package_dir, PACKAGES), *requirements("mutation"))
     session.install("--no-deps", *requirements("torchtune-reference"))
     session.run("pytest", "tests/mutation", "-q")

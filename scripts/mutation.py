@@ -20,33 +20,65 @@
 A mutant that survives both passes must be listed in ``tests/mutation/equivalent.toml`` with
 the reason it cannot change behaviour; otherwise the run fails. Entries are keyed by function,
 original line and mutated line, not by mutmut's numbering, which shifts as code changes. A
-listed entry that matches no mutant of the files that were mutated is stale and also fails the
-run, so that the list stays reviewed.
+listed entry that matches no surviving mutant is stale and also fails the run, so that the
+list stays reviewed.
 
-``--changed`` mutates only the source files whose content differs from the last full run,
-recorded in ``tests/mutation/full_run.toml``; ``--record`` rewrites that record after a full
-run that passed.
+``--incremental`` reuses the outcomes recorded in the ledger, ``tests/mutation/ledger.toml``,
+where they still hold, and runs every other mutant; ``--record`` rewrites the ledger after a
+run that passed. A recorded outcome is reused only when what decided it is unchanged:
+
+* a killed mutant: its function's source (the function's own code, as ``ast`` parses it,
+  without its docstring) and every test file that covers the function, each with the helper
+  modules it imports from ``tests/``, ``benchmarks/`` or ``examples/`` and the ``conftest.py``
+  files above it; a mutant killed by the slow tests also needs the whole slow selection (its
+  test files, their helpers, ``docs/`` and ``examples/``) unchanged;
+* a listed equivalent: the same function and covering tests, and its entry still listed;
+* for both, the mutmut configuration, the pytest and Hypothesis settings and the pins
+  (``constraints.txt``) unchanged, and the test files that cover the function now, by mutmut's
+  stats of this run, the same as recorded.
+
+Everything else runs, as in the whole run. A ledger that does not describe the sources stops
+the run: a malformed one (``load_ledger``), or one that records a function's code as it is,
+under the same settings, with other mutants than mutmut makes of it (``mismatches``).
+
+The limit: a change outside a function (a callee, a module constant, a test's data file) can
+change whether its mutants die without changing anything the ledger hashes. The whole run,
+``nox -s mutation``, covers that; run it, with ``--record``, before a release.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import copy
+import difflib
 import hashlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKSPACE = ROOT / ".mutation"
 EQUIVALENT = ROOT / "tests" / "mutation" / "equivalent.toml"
-FULL_RUN = ROOT / "tests" / "mutation" / "full_run.toml"
+LEDGER = ROOT / "tests" / "mutation" / "ledger.toml"
+# The folders whose modules count as part of a test that imports them.
+HELPER_ROOTS = ("tests", "benchmarks", "examples")
+# The folders whose every file the slow tests may read: the pages and examples they run.
+SLOW_DATA = ("docs", "examples")
+OUTCOMES = ("fast", "slow", "equivalent")
+# mutmut's record of the tests that reach each function, in the workspace.
+STATS = Path("mutants") / "mutmut-stats.json"
+# The score the ledger's header repeats from the run that wrote it.
+LEDGER_SCORE = ("mutants", "killed", "equivalent")
 
 # The tests that mutmut cannot run, selected from each package's test folder. They run in
 # this order, cheapest first, and stop at the first failure.
@@ -93,24 +125,25 @@ class Outcome:
     """What the run found, for the report."""
 
     total: int = 0
-    fast_killed: list[str] = field(default_factory=list)
+    reused: int = 0  # of the counts below, the outcomes taken from the ledger
+    fast_killed: list[Mutant] = field(default_factory=list)
     slow_killed: list[Mutant] = field(default_factory=list)
     equivalent: list[tuple[Mutant, Equivalent]] = field(default_factory=list)
     survivors: list[Mutant] = field(default_factory=list)
     stale: list[Equivalent] = field(default_factory=list)
 
 
-def package_ids() -> list[str]:
+def package_ids(root: Path = ROOT) -> list[str]:
     """Each package's id: its folder under ``packages/`` without the ``toolkit-`` prefix."""
     return sorted(
-        p.parent.name.removeprefix("toolkit-") for p in ROOT.glob("packages/*/pyproject.toml")
+        p.parent.name.removeprefix("toolkit-") for p in root.glob("packages/*/pyproject.toml")
     )
 
 
-def source_files() -> dict[str, Path]:
+def source_files(root: Path = ROOT) -> dict[str, Path]:
     """Every Python source file, keyed by its path in the workspace (``src/...``)."""
     files: dict[str, Path] = {}
-    for src in sorted(ROOT.glob("packages/*/src")):
+    for src in sorted(root.glob("packages/*/src")):
         for path in sorted(src.rglob("*.py")):
             files[str(Path("src") / path.relative_to(src))] = path
     return files
@@ -173,6 +206,24 @@ def changed_lines(diff: str) -> tuple[str, str]:
     return "\n".join(removed), "\n".join(added)
 
 
+def module_name(path: str) -> str:
+    """The module of a workspace path: ``src/toolkit/nn/_x.py`` is ``toolkit.nn._x``."""
+    return path.removeprefix("src/").removesuffix(".py").replace("/", ".")
+
+
+def make_mutant(name: str, path: str, diff: str) -> Mutant:
+    """The mutant mutmut calls ``name``, of the file ``path``, that makes the change ``diff``."""
+    from mutmut.utils.format_utils import (  # noqa: PLC0415
+        orig_function_and_class_names_from_key,
+    )
+
+    function, owner = orig_function_and_class_names_from_key(name)
+    module = module_name(path)
+    qualname = f"{module}.{owner}.{function}" if owner else f"{module}.{function}"
+    line, mutated = changed_lines(diff)
+    return Mutant(name, path, qualname, line, mutated)
+
+
 def read_mutants(paths: Iterable[str]) -> dict[str, tuple[Mutant, str]]:
     """Every mutant of ``paths`` with its fast-pass status, read from mutmut's records.
 
@@ -182,24 +233,42 @@ def read_mutants(paths: Iterable[str]) -> dict[str, tuple[Mutant, str]]:
     from mutmut.mutation.data import SourceFileMutationData  # noqa: PLC0415 - cwd-bound
     from mutmut.mutation.diff_apply import get_diff_for_mutant  # noqa: PLC0415
     from mutmut.stats import status_by_exit_code  # noqa: PLC0415
-    from mutmut.utils.format_utils import (  # noqa: PLC0415
-        orig_function_and_class_names_from_key,
-    )
 
     found: dict[str, tuple[Mutant, str]] = {}
     for path in paths:
         data = SourceFileMutationData(path=path)
         data.load()
-        module = path.removeprefix("src/").removesuffix(".py").replace("/", ".")
         for name, exit_code in data.exit_code_by_key.items():
-            function, owner = orig_function_and_class_names_from_key(name)
-            qualname = f"{module}.{owner}.{function}" if owner else f"{module}.{function}"
-            line, mutated = changed_lines(get_diff_for_mutant(name, path=path))
-            found[name] = (
-                Mutant(name, path, qualname, line, mutated),
-                status_by_exit_code[exit_code],
-            )
+            mutant = make_mutant(name, path, get_diff_for_mutant(name, path=path))
+            found[name] = (mutant, status_by_exit_code[exit_code])
     return found
+
+
+def generate_mutants(sources: Mapping[str, Path]) -> list[Mutant]:
+    """Every mutant that ``mutmut run`` will make of ``sources``, without running anything.
+
+    mutmut's own generator names them, so the names are those of the run.
+    """
+    import libcst  # noqa: PLC0415 - installed with mutmut
+    from mutmut.mutation.file_mutation import mutate_file_contents  # noqa: PLC0415
+    from mutmut.utils.format_utils import get_mutant_name  # noqa: PLC0415
+
+    mutants: list[Mutant] = []
+    for path, source in sources.items():
+        mutated = mutate_file_contents(path, source.read_text())
+        # mutmut's trampolines: every mutant and each original, as functions or methods.
+        code: dict[str, list[str]] = {}
+        for node in libcst.parse_module(mutated.code).body:
+            body = node.body.body if isinstance(node, libcst.ClassDef) else [node]
+            for function in body:
+                if isinstance(function, libcst.FunctionDef):
+                    renamed = function.with_changes(name=libcst.Name("f"))
+                    code[function.name.value] = libcst.Module([renamed]).code.strip().split("\n")
+        for local in mutated.mutant_names:
+            original = code[local.partition("__mutmut_")[0] + "__mutmut_orig"]
+            diff = "\n".join(difflib.unified_diff(original, code[local], path, path, lineterm=""))
+            mutants.append(make_mutant(get_mutant_name(Path(path), local), path, diff))
+    return mutants
 
 
 def slow_tests() -> list[str]:
@@ -280,52 +349,452 @@ def load_equivalents() -> list[Equivalent]:
     ]
 
 
-def record_full_run(sources: dict[str, Path], outcome: Outcome) -> None:
-    """Write ``tests/mutation/full_run.toml``: the sources a full run covered, and its score."""
+# The ledger: what decided each recorded outcome, hashed.
+
+
+def shown(path: Path) -> str:
+    """``path`` as printed: relative to the repository where it lies in it."""
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
+def sha(text: str) -> str:
+    """The SHA-256 of ``text``."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def files_digest(paths: Iterable[Path], root: Path) -> str:
+    """One digest of the files ``paths``: their paths under ``root`` and their contents."""
+    return sha(
+        "".join(f"{p.relative_to(root).as_posix()} {digest(p)}\n" for p in sorted(set(paths)))
+    )
+
+
+def function_hashes(path: Path, module: str) -> dict[str, str]:
+    """Each function and method of ``path`` by qualified name, with the hash of its code.
+
+    The code is ``ast``'s dump of the function, decorators included, without its docstring:
+    a change of layout, a comment or a docstring does not change it. Same-named definitions
+    (a property's getter and setter) share one hash.
+    """
+    dumps: dict[str, list[str]] = {}
+
+    def visit(body: list[ast.stmt], owner: str) -> None:
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                code = copy.copy(node)
+                if ast.get_docstring(node) is not None:
+                    code.body = node.body[1:]
+                dumps.setdefault(f"{owner}.{node.name}", []).append(ast.dump(code))
+            elif isinstance(node, ast.ClassDef):
+                visit(node.body, f"{owner}.{node.name}")
+
+    visit(ast.parse(path.read_text()).body, module)
+    return {name: sha("\n".join(parts))[:16] for name, parts in dumps.items()}
+
+
+def imported_helpers(path: Path, root: Path) -> set[Path]:
+    """The modules of ``tests/``, ``benchmarks/`` and ``examples/`` that ``path`` imports."""
+    package = path.relative_to(root).parent.parts
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            names += [module, *(f"{module}.{alias.name}" for alias in node.names)]
+    found: set[Path] = set()
+    for name in names:
+        parts = name.split(".")
+        if parts[0] in HELPER_ROOTS:
+            for candidate in (
+                root.joinpath(*parts[:-1], f"{parts[-1]}.py"),
+                root.joinpath(*parts, "__init__.py"),
+            ):
+                if candidate.is_file():
+                    found.add(candidate)
+    return found
+
+
+def test_dependencies(test: Path, root: Path) -> set[Path]:
+    """``test``, the ``conftest.py`` files above it, and the helpers they import, transitively."""
+    found = {test, *(p / "conftest.py" for p in test.parents if p.is_relative_to(root))}
+    found = {p for p in found if p.is_file()}
+    todo = list(found)
+    while todo:
+        for helper in imported_helpers(todo.pop(), root) - found:
+            found.add(helper)
+            todo.append(helper)
+    return found
+
+
+def fast_test_files(root: Path) -> list[Path]:
+    """The test files of mutmut's selection, ``pytest_add_cli_args_test_selection``."""
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
+    paths: list[Path] = []
+    ignored: list[Path] = []
+    args = iter(config.get("pytest_add_cli_args_test_selection", ["tests"]))
+    for arg in args:
+        if arg in ("-k", "-m"):
+            next(args, None)
+        elif arg.startswith("--ignore="):
+            ignored.append(root / arg.removeprefix("--ignore="))
+        elif not arg.startswith("-"):
+            paths.append(root / arg)
+    files = [f for p in paths for f in ([p] if p.is_file() else sorted(p.rglob("test_*.py")))]
+    return [f for f in files if not any(f == i or f.is_relative_to(i) for i in ignored)]
+
+
+def slow_files(root: Path) -> set[Path]:
+    """Every file the slow selection may read: its test folders, their helpers, the docs."""
+    folders = [root / "tests" / package for package in package_ids(root)] + [
+        root / "tests" / "docs"
+    ]
+    found: set[Path] = set()
+    for test in (p for folder in folders for p in folder.rglob("*.py")):
+        found |= test_dependencies(test, root)
+    data = (p for folder in SLOW_DATA for p in (root / folder).rglob("*") if p.is_file())
+    return found | {p for p in data if "__pycache__" not in p.parts}
+
+
+def setup_digest(root: Path) -> str:
+    """The digest of the settings that decide every outcome.
+
+    They are mutmut's, pytest's and Hypothesis's tables of ``pyproject.toml``, the pins of
+    ``constraints.txt`` and the slow pass's selection.
+    """
+    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]
+    settings = {name: tool.get(name) for name in ("mutmut", "pytest", "hypothesis")}
+    pins = root / "constraints.txt"
+    pinned = pins.read_text() if pins.is_file() else ""
+    return sha(json.dumps([settings, SLOW_SELECTION], sort_keys=True) + pinned)
+
+
+def listed_digest(equivalents: Iterable[Equivalent]) -> str:
+    """The digest of the equivalent list's entries, reasons left out."""
+    return sha(json.dumps(sorted((e.function, e.line, e.mutant) for e in equivalents)))
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the outcomes depend on, hashed: the ledger's header and tables, or the tree now."""
+
+    setup: str
+    slow: str
+    listed: str
+    sources: dict[str, str]  # repository path: SHA-256
+    tests: dict[str, str]  # test file: digest of it and its dependencies
+    functions: dict[str, str]  # qualified name: hash of its code
+
+
+def take_inputs(
+    root: Path,
+    sources: Mapping[str, Path],
+    equivalents: Iterable[Equivalent],
+    tests: Iterable[str] = (),
+) -> Inputs:
+    """The inputs of the tree at ``root``: the fast selection's test files and ``tests``."""
+    files = {f.relative_to(root).as_posix(): f for f in fast_test_files(root)}
+    files |= {t: root / t for t in tests if (root / t).is_file()}
+    functions: dict[str, str] = {}
+    for rel, path in sources.items():
+        functions |= function_hashes(path, module_name(rel))
+    return Inputs(
+        setup=setup_digest(root),
+        slow=files_digest(slow_files(root), root),
+        listed=listed_digest(equivalents),
+        sources={path.relative_to(root).as_posix(): digest(path) for path in sources.values()},
+        tests={t: files_digest(test_dependencies(f, root), root) for t, f in sorted(files.items())},
+        functions=functions,
+    )
+
+
+@dataclass(frozen=True)
+class Record:
+    """The ledger's account of one function: its hash, covering tests and mutants' outcomes."""
+
+    hash: str
+    tests: tuple[str, ...]
+    fast: tuple[str, ...] = ()
+    slow: tuple[str, ...] = ()
+    equivalent: tuple[str, ...] = ()
+
+    def outcome(self, key: str) -> str | None:
+        """``fast``, ``slow`` or ``equivalent``: how the mutant ``key`` was recorded."""
+        return next((o for o in OUTCOMES if key in getattr(self, o)), None)
+
+    def keys(self) -> Counter[str]:
+        """Every mutant key the record holds."""
+        return Counter(k for o in OUTCOMES for k in getattr(self, o))
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """The recorded run: the inputs it saw, and a record per function."""
+
+    inputs: Inputs
+    records: dict[str, Record]
+
+
+def mutant_keys(mutants: Iterable[Mutant]) -> dict[str, str]:
+    """Each mutant's key in the ledger, by name: a digest of its function and change.
+
+    Like the equivalent list, the key leaves mutmut's number out; the n-th mutant of a
+    function that makes the same change as an earlier one gets ``#n``.
+    """
+    seen: Counter[tuple[str, str, str]] = Counter()
+    keys: dict[str, str] = {}
+    for mutant in sorted(mutants, key=lambda m: (m.function, int(m.name.rpartition("_")[2]))):
+        change = (mutant.function, mutant.line, mutant.mutant)
+        seen[change] += 1
+        key = sha("\0".join(change))[:12]
+        keys[mutant.name] = key if seen[change] == 1 else f"{key}#{seen[change]}"
+    return keys
+
+
+HEX = re.compile(r"[0-9a-f]{12,64}(#[0-9]+)?")
+
+
+class LedgerError(SystemExit):
+    """The ledger is malformed: the run stops, naming what is wrong."""
+
+
+def load_ledger(path: Path) -> Ledger | None:
+    """The ledger at ``path``, or None if there is none; a malformed one stops the run.
+
+    Well formed: TOML with hex digests ``setup``, ``slow`` and ``listed``; tables ``sources``
+    and ``tests`` of hex digests; and a table per function under ``functions`` with exactly a
+    hex ``hash`` and lists ``tests`` (each one in ``[tests]``), ``fast``, ``slow`` and
+    ``equivalent`` (mutant keys, each listed once in the function).
+    """
+    if not path.is_file():
+        return None
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise LedgerError(f"{path.name} is not TOML: {error}") from error
+
+    def hexes(value: object, what: str) -> dict[str, str]:
+        if isinstance(value, dict) and all(
+            isinstance(v, str) and HEX.fullmatch(v) for v in value.values()
+        ):
+            return value
+        raise LedgerError(f"{path.name}: {what} must map names to hex digests")
+
+    def strings(value: object, what: str) -> tuple[str, ...]:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise LedgerError(f"{path.name}: {what} must be a list of strings")
+
+    unknown = set(data) - {
+        *LEDGER_SCORE,
+        "setup",
+        "slow",
+        "listed",
+        "sources",
+        "tests",
+        "functions",
+    }
+    if unknown:
+        raise LedgerError(f"{path.name}: unknown keys {', '.join(sorted(unknown))}")
+    header = hexes({k: data.get(k) for k in ("setup", "slow", "listed")}, "setup, slow, listed")
+    tests = hexes(data.get("tests"), "[tests]")
+    functions = data.get("functions", {})
+    if not isinstance(functions, dict) or not all(isinstance(t, dict) for t in functions.values()):
+        raise LedgerError(f"{path.name}: [functions] must hold a table per function")
+    records: dict[str, Record] = {}
+    for function, table in functions.items():
+        if set(table) != {"hash", "tests", *OUTCOMES}:
+            raise LedgerError(
+                f"{path.name}: {function} must have hash, tests, {', '.join(OUTCOMES)}"
+            )
+        what = f"the record of {function}"
+        lists = [strings(table[k], f"{what}: {k}") for k in ("tests", *OUTCOMES)]
+        record = Record(hexes({"hash": table["hash"]}, what)["hash"], *lists)
+        keys = record.keys()
+        if not all(HEX.fullmatch(k) and n == 1 for k, n in keys.items()):
+            raise LedgerError(f"{path.name}: {what}: mutant keys must be distinct hex digests")
+        if not set(record.tests) <= set(tests):
+            raise LedgerError(f"{path.name}: {what} names a test file missing from [tests]")
+        records[function] = record
+    sources = hexes(data.get("sources"), "[sources]")
+    functions_now = {f: r.hash for f, r in records.items()}
+    inputs = Inputs(
+        header["setup"], header["slow"], header["listed"], sources, tests, functions_now
+    )
+    return Ledger(inputs, records)
+
+
+def write_ledger(path: Path, ledger: Ledger, score: str) -> None:
+    """Write ``ledger`` to ``path`` as TOML: one line per source, test file and mutant key."""
+
+    def strings(values: Iterable[str]) -> str:
+        items = [f"    {json.dumps(v)},\n" for v in values]
+        return f"[\n{''.join(items)}]" if items else "[]"
+
     lines = [
-        "# Written by `nox -s mutation -- --record` after a full run that passed.",
-        "# `--changed` mutates only the source files whose SHA-256 differs from these.",
-        f"mutants = {outcome.total}",
-        f"killed = {len(outcome.fast_killed) + len(outcome.slow_killed)}",
-        f"equivalent = {len(outcome.equivalent)}",
+        "# Written by `nox -s mutation -- --record` after a run that passed (README.md,",
+        '# "Mutation testing"). `--incremental` reuses an outcome only where its function, the',
+        "# test files that cover it and the settings hash as recorded here. A mutant's key is a",
+        "# digest of its function, original line and mutated line (scripts/mutation.py).",
+        score,
+        f'setup = "{ledger.inputs.setup}"',
+        f'slow = "{ledger.inputs.slow}"',
+        f'listed = "{ledger.inputs.listed}"',
         "",
         "[sources]",
-        *(f'"{sources[rel].relative_to(ROOT)}" = "{digest(sources[rel])}"' for rel in sources),
+        *(f'{json.dumps(k)} = "{v}"' for k, v in sorted(ledger.inputs.sources.items())),
         "",
+        "[tests]",
+        *(f'{json.dumps(k)} = "{v}"' for k, v in sorted(ledger.inputs.tests.items())),
     ]
-    FULL_RUN.write_text("\n".join(lines))
+    for function, record in sorted(ledger.records.items()):
+        lines += ["", f"[functions.{json.dumps(function)}]", f'hash = "{record.hash}"']
+        lines += [f"{name} = {strings(getattr(record, name))}" for name in ("tests", *OUTCOMES)]
+    path.write_text("\n".join(lines) + "\n")
 
 
-def defines_functions(path: Path) -> bool:
-    """Whether ``path`` defines a function or method: mutmut mutates nothing else."""
-    tree = ast.parse(path.read_text())
-    return any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) for n in ast.walk(tree))
+def covering_tests(stats: Path, mutants: Iterable[Mutant]) -> dict[str, set[str]]:
+    """The test files that reach each function, by mutmut's stats of this run."""
+    from mutmut.utils.format_utils import mangled_name_from_mutant_name  # noqa: PLC0415
+
+    by_function = json.loads(stats.read_text())["tests_by_mangled_function_name"]
+    covering: dict[str, set[str]] = {}
+    for mutant in mutants:
+        tests = by_function.get(mangled_name_from_mutant_name(mutant.name), [])
+        covering.setdefault(mutant.function, set()).update(t.partition("::")[0] for t in tests)
+    return covering
 
 
-def mutant_patterns(module: str) -> list[str]:
-    """The patterns of mutmut's names for the mutants of ``module``, for ``mutmut run``.
+def new_ledger(
+    inputs: Inputs, outcome: Outcome, covering: Mapping[str, set[str]], root: Path = ROOT
+) -> Ledger:
+    """The ledger of a run that passed: ``outcome`` holds every mutant, run or reused."""
+    sorted_out = {
+        "fast": outcome.fast_killed,
+        "slow": outcome.slow_killed,
+        "equivalent": [mutant for mutant, _ in outcome.equivalent],
+    }
+    keys = mutant_keys(m for ms in sorted_out.values() for m in ms)
+    functions = {m.function for ms in sorted_out.values() for m in ms}
+    records = {
+        function: Record(
+            inputs.functions.get(function, "0" * 16),
+            tuple(sorted(covering.get(function, ()))),
+            *(
+                tuple(sorted(keys[m.name] for m in ms if m.function == function))
+                for ms in sorted_out.values()
+            ),
+        )
+        for function in functions
+    }
+    more = {t for r in records.values() for t in r.tests} - set(inputs.tests)
+    tests = {t: files_digest(test_dependencies(root / t, root), root) for t in more}
+    return Ledger(replace(inputs, tests=inputs.tests | tests), records)
 
-    mutmut names a mutant after its module, then ``x_function`` or ``xǁClassǁmethod``; a
-    package's ``__init__`` module goes by the package's name, so its patterns must not match
-    the mutants of the package's other modules.
+
+@dataclass
+class Plan:
+    """What an incremental run reuses from the ledger and what it runs."""
+
+    run: list[Mutant] = field(default_factory=list)
+    reused: dict[str, tuple[Mutant, str]] = field(default_factory=dict)  # name: (mutant, outcome)
+    why: dict[str, str] = field(default_factory=dict)  # function run in full: the reason
+
+
+def why_run(ledger: Ledger | None, function: str, now: Inputs) -> str | None:
+    """Why every mutant of ``function`` must run, or None if the ledger's record can stand."""
+    record = ledger.records.get(function) if ledger else None
+    if ledger is None or record is None:
+        return "not in the ledger"
+    if ledger.inputs.setup != now.setup:
+        return "the settings or pins changed"
+    if now.functions.get(function) != record.hash:
+        return "its code changed"
+    changed = [t for t in record.tests if now.tests.get(t) != ledger.inputs.tests[t]]
+    return f"a test that covers it changed: {changed[0]}" if changed else None
+
+
+def mismatches(ledger: Ledger | None, now: Inputs, keyed: Mapping[str, Counter[str]]) -> list[str]:
+    """The functions that the ledger claims to describe as they are, and does not.
+
+    The ledger claims a function when it records the function's hash as it is now under the
+    same settings; it does not describe it when its mutant keys differ from those of the
+    mutants mutmut makes of the function now (a key more, a key fewer, or another key).
     """
-    package = module.removesuffix(".__init__")
-    if package == module:
-        return [f"{module}.*"]
-    return [f"{package}.x_*", f"{package}.x\u01c1*"]
-
-
-def changed_sources(sources: dict[str, Path]) -> list[str]:
-    """The workspace paths of the sources that differ from the last recorded full run.
-
-    Files that define no function are left out: they have no mutants.
-    """
-    recorded: dict[str, str] = tomllib.loads(FULL_RUN.read_text())["sources"]
+    if ledger is None or ledger.inputs.setup != now.setup:
+        return []
     return [
-        rel
-        for rel, path in sources.items()
-        if recorded.get(str(path.relative_to(ROOT))) != digest(path) and defines_functions(path)
+        function
+        for function, record in sorted(ledger.records.items())
+        if now.functions.get(function) == record.hash
+        and record.keys() != keyed.get(function, Counter())
     ]
+
+
+def plan_run(
+    ledger: Ledger | None, now: Inputs, mutants: Sequence[Mutant], equivalents: Sequence[Equivalent]
+) -> Plan:
+    """Sort ``mutants`` into those whose recorded outcome stands and those that must run."""
+    plan = Plan()
+    keys = mutant_keys(mutants)
+    for mutant in mutants:
+        reason = why_run(ledger, mutant.function, now)
+        if reason is not None:
+            plan.why.setdefault(mutant.function, reason)
+            plan.run.append(mutant)
+            continue
+        assert ledger is not None
+        recorded = ledger.records[mutant.function].outcome(keys[mutant.name])
+        listed = any(entry.matches(mutant) for entry in equivalents)
+        stands = (
+            (recorded == "fast" and not listed)
+            or (recorded == "slow" and not listed and ledger.inputs.slow == now.slow)
+            or (recorded == "equivalent" and listed)
+        )
+        if stands and recorded is not None:
+            plan.reused[mutant.name] = (mutant, recorded)
+        else:
+            plan.run.append(mutant)
+    return plan
+
+
+def recheck(plan: Plan, ledger: Ledger | None, covering: Mapping[str, set[str]]) -> list[Mutant]:
+    """Move to ``plan.run`` the reused mutants of the functions whose covering tests changed.
+
+    ``covering`` holds the test files that reach each function now, by this run's stats; a
+    recorded outcome stands only where they are those recorded: a new one could kill a listed
+    equivalent, and a file that no longer reaches the function may be the one that killed it.
+    Return the mutants moved.
+    """
+    moved = [
+        mutant
+        for mutant, _ in plan.reused.values()
+        if ledger is not None
+        and set(ledger.records[mutant.function].tests) != covering.get(mutant.function, set())
+    ]
+    for mutant in moved:
+        del plan.reused[mutant.name]
+        plan.why.setdefault(mutant.function, "the tests that reach it changed")
+    plan.run += moved
+    return moved
+
+
+def run_patterns(run: Sequence[Mutant], mutants: Sequence[Mutant]) -> list[str]:
+    """The arguments of ``mutmut run`` for the mutants ``run`` of ``mutants``.
+
+    None when all of them run; else a pattern for each function run in full and the names of
+    the other mutants.
+    """
+    if len(run) == len(mutants):
+        return []
+    running = Counter(m.function for m in run)
+    total = Counter(m.function for m in mutants)
+    names = [m.name for m in run if running[m.function] < total[m.function]]
+    whole = {
+        m.name.partition("__mutmut_")[0] for m in run if running[m.function] == total[m.function]
+    }
+    return [*(f"{prefix}__mutmut_*" for prefix in sorted(whole)), *names]
 
 
 def report(outcome: Outcome, seconds: float) -> bool:
@@ -347,6 +816,8 @@ def report(outcome: Outcome, seconds: float) -> bool:
             f"score without the equivalent mutants: {killed}/{outcome.total - listed} = "
             f"{100 * killed / (outcome.total - listed):.1f}%"
         )
+    if outcome.reused:
+        print(f"of which reused from the ledger: {outcome.reused}")
     print(f"time: {seconds / 60:.1f} min")
     for mutant in outcome.survivors:
         print(f"\nSURVIVED {mutant.name}\n  in {mutant.function}")
@@ -386,103 +857,199 @@ def second_run(
 def judge(
     found: dict[str, tuple[Mutant, str]],
     equivalents: Sequence[Equivalent],
-    modules: Sequence[str],
     sources: dict[str, Path],
+    reused: Mapping[str, tuple[Mutant, str]] | None = None,
 ) -> Outcome:
-    """Sort the fast pass's mutants; run the slow tests on the unlisted ones still alive."""
-    outcome = Outcome(total=len(found))
+    """Sort the fast pass's mutants; run the slow tests on the unlisted ones still alive.
+
+    ``reused`` holds the outcomes an incremental run takes from the ledger. An entry of the
+    list that matches no listed survivor, run or reused, is stale.
+    """
+    reused = reused or {}
+    outcome = Outcome(total=len(found) + len(reused), reused=len(reused))
     alive: list[Mutant] = []
     for mutant, status in found.values():
         if status in DETECTED:
-            outcome.fast_killed.append(mutant.name)
+            outcome.fast_killed.append(mutant)
         elif status in UNDETECTED:
             alive.append(mutant)
         else:
             raise SystemExit(f"mutmut left {mutant.name} {status}; run it again")
     # A listed equivalent skips the slow tests: it is accounted for whichever way they go.
-    for mutant in alive:
+    for mutant in [*alive, *(m for m, o in reused.values() if o == "equivalent")]:
         entry = next((e for e in equivalents if e.matches(mutant)), None)
         if entry is not None:
             outcome.equivalent.append((mutant, entry))
+    outcome.fast_killed += [m for m, o in reused.values() if o == "fast"]
+    outcome.slow_killed += [m for m, o in reused.values() if o == "slow"]
     listed = {mutant.name for mutant, _ in outcome.equivalent}
     unlisted = [mutant for mutant in alive if mutant.name not in listed]
     print(
-        f"\nthe fast pass left {len(alive)} of {len(found)} mutants alive, {len(listed)} of "
-        f"them listed as equivalent; the slow tests run against the other {len(unlisted)}"
+        f"\nthe fast pass left {len(alive)} of {len(found)} mutants alive, "
+        f"{len(listed & {m.name for m in alive})} of them listed as equivalent; the slow tests "
+        f"run against the other {len(unlisted)}"
     )
-    outcome.slow_killed = slow_pass(unlisted, sources) if unlisted else []
-    slow_killed = {m.name for m in outcome.slow_killed}
-    outcome.survivors = [m for m in unlisted if m.name not in slow_killed]
+    slow_killed = slow_pass(unlisted, sources) if unlisted else []
+    outcome.slow_killed += slow_killed
+    killed = {m.name for m in slow_killed}
+    outcome.survivors = [m for m in unlisted if m.name not in killed]
     used = {id(entry) for _, entry in outcome.equivalent}
-    outcome.stale = [
-        e
-        for e in equivalents
-        if id(e) not in used and any(e.function.startswith(f"{m}.") for m in modules)
-    ]
+    outcome.stale = [e for e in equivalents if id(e) not in used]
     return outcome
+
+
+def unchanged(ledger: Ledger | None, now: Inputs) -> bool:
+    """Whether every input the ledger records is as it is now, so that nothing need run."""
+    return ledger is not None and replace(ledger.inputs, functions={}) == replace(now, functions={})
+
+
+def plan_incremental(
+    ledger: Ledger | None, now: Inputs, mutants: Sequence[Mutant], equivalents: Sequence[Equivalent]
+) -> Plan:
+    """The plan of an incremental run.
+
+    It stops the run if the ledger does not describe the sources (``mismatches``).
+    """
+    keys = mutant_keys(mutants)
+    keyed: dict[str, Counter[str]] = {}
+    for mutant in mutants:
+        keyed.setdefault(mutant.function, Counter())[keys[mutant.name]] += 1
+    wrong = mismatches(ledger, now, keyed)
+    if wrong:
+        raise SystemExit(
+            f"{shown(LEDGER)} does not describe the sources: it records the code of "
+            f"{', '.join(wrong)} as it is now, with other mutants than mutmut makes of it. "
+            "Record it again (`nox -s mutation -- --record`), or delete it to run everything."
+        )
+    plan = plan_run(ledger, now, mutants, equivalents)
+    if not plan.run and plan.reused:
+        # Something differs, yet no recorded outcome is in doubt: run the listed equivalents
+        # (or one mutant) to learn from mutmut's stats which tests reach each function now.
+        outcomes = list(plan.reused.values())
+        probe = [m for m, o in outcomes if o == "equivalent"] or [outcomes[0][0]]
+        for mutant in probe:
+            del plan.reused[mutant.name]
+        plan.run += probe
+    return plan
+
+
+def incremental_fast_pass(
+    sources: dict[str, Path], equivalents: Sequence[Equivalent], only_list: bool, children: int
+) -> Plan | None:
+    """Plan an incremental run and run mutmut's pass over what must run; None if nothing must.
+
+    With ``only_list`` it prints the functions that run in full and stops there.
+    """
+    ledger = load_ledger(LEDGER)
+    now = take_inputs(ROOT, sources, equivalents, ledger.inputs.tests if ledger else ())
+    if unchanged(ledger, now):
+        print(f"nothing differs from {shown(LEDGER)}: nothing to mutate")
+        return None
+    if ledger is None or ledger.inputs.setup != now.setup:
+        print("no ledger" if ledger is None else "the settings or pins changed", end="")
+        print(": every mutant runs")
+    else:
+        whole = {f: why for f in now.functions if (why := why_run(ledger, f, now))}
+        print("functions to mutate in full:", *(f"{f} ({w})" for f, w in whole.items()), sep="\n  ")
+        print("and each recorded mutant whose listing, slow tests or covering tests changed")
+    if only_list:
+        return None
+    mutants = generate_mutants(sources)
+    plan = plan_incremental(ledger, now, mutants, equivalents)
+    print(f"reusing {len(plan.reused)} recorded outcomes; running {len(plan.run)} mutants")
+    lay_out_workspace(sources)
+    mutmut_run(run_patterns(plan.run, mutants), children)
+    moved = recheck(plan, ledger, covering_tests(WORKSPACE / STATS, mutants))
+    if moved:
+        print(f"running {len(moved)} more: the tests that reach their functions changed")
+        mutmut_run(run_patterns(moved, mutants), children)
+    return plan
+
+
+def record(sources: dict[str, Path], equivalents: Sequence[Equivalent], outcome: Outcome) -> None:
+    """Write the ledger of a run that passed; ``outcome`` holds every mutant, run or reused."""
+    every = [*outcome.fast_killed, *outcome.slow_killed, *(m for m, _ in outcome.equivalent)]
+    covering = covering_tests(WORKSPACE / STATS, every)
+    score = (
+        f"mutants = {outcome.total}\n"
+        f"killed = {len(outcome.fast_killed) + len(outcome.slow_killed)}\n"
+        f"equivalent = {len(outcome.equivalent)}"
+    )
+    inputs = take_inputs(ROOT, sources, equivalents)
+    write_ledger(LEDGER, new_ledger(inputs, outcome, covering), score)
+    print(f"recorded in {shown(LEDGER)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the fast and slow passes and report; 0 if every survivor is a listed equivalent."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
-        "--changed",
+        "--incremental",
         action="store_true",
-        help="mutate only the source files that differ from the last recorded full run",
+        help=f"reuse the outcomes of {shown(LEDGER)} where they still hold and run "
+        "the other mutants",
     )
     parser.add_argument(
-        "--record", action="store_true", help="after a full run that passes, record it"
+        "--record", action="store_true", help=f"after a run that passes, write {LEDGER.name}"
     )
     parser.add_argument(
         "--reuse",
         action="store_true",
-        help="keep the fast pass of the last run in .mutation/ and redo only what follows it, "
-        "such as after editing the equivalent list",
+        help="keep the fast pass of the last whole run in .mutation/ and redo only what follows "
+        "it, such as after editing the equivalent list",
     )
     parser.add_argument(
         "--list",
         action="store_true",
-        help="print the source files the run would mutate and exit, without mutmut or torch",
+        help="print what the run would mutate and exit, without mutmut or torch",
     )
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
     options = parser.parse_args(argv)
-    if options.record and options.changed:
-        parser.error("--record needs a full run, not --changed")
+    if options.reuse and options.incremental:
+        parser.error("--reuse keeps the fast pass of a whole run, not of --incremental")
 
     started = time.monotonic()
     sources = source_files()
-    selected = changed_sources(sources) if options.changed else list(sources)
     equivalents = load_equivalents()
-    if not selected:
-        print("no source file differs from the last recorded full run: nothing to mutate")
-        return 0
-    print("mutating:", *selected, sep="\n  ")
-    if options.list:
-        return 0
-
-    modules = [rel.removeprefix("src/").removesuffix(".py").replace("/", ".") for rel in selected]
-    if not options.reuse:
-        lay_out_workspace(sources)
-        patterns = [p for m in modules for p in mutant_patterns(m)] if options.changed else []
-        mutmut_run(patterns, options.max_children)
-    elif not (WORKSPACE / "mutants").is_dir():
-        parser.error("--reuse needs the results of an earlier run in .mutation/")
-    elif options.record and any(digest(WORKSPACE / rel) != digest(p) for rel, p in sources.items()):
-        parser.error("--record --reuse needs .mutation/ to hold the sources as they are now")
+    plan: Plan | None = None
+    if options.incremental:
+        planned = incremental_fast_pass(sources, equivalents, options.list, options.max_children)
+        if planned is None:
+            return 0
+        plan = planned
+        selected = sorted({m.path for m in plan.run})
+    else:
+        selected = list(sources)
+        print("mutating:", *selected, sep="\n  ")
+        if options.list:
+            return 0
+        if not options.reuse:
+            lay_out_workspace(sources)
+            mutmut_run([], options.max_children)
+        elif not (WORKSPACE / "mutants").is_dir():
+            parser.error("--reuse needs the results of an earlier run in .mutation/")
+        elif options.record and any(
+            digest(WORKSPACE / rel) != digest(p) for rel, p in sources.items()
+        ):
+            parser.error("--record --reuse needs .mutation/ to hold the sources as they are now")
     os.chdir(WORKSPACE)
     found = read_mutants(selected)
+    if plan is not None:
+        names = {m.name for m in plan.run}
+        if names - set(found):
+            raise SystemExit(f"mutmut made none of {sorted(names - set(found))[:3]}; run it whole")
+        found = {name: result for name, result in found.items() if name in names}
     again = second_run(found, equivalents)
     if again:
         print(f"running {len(again)} mutants again: those that timed out, or listed and killed")
         mutmut_run(again, 1)
-        found = read_mutants(selected)
-    outcome = judge(found, equivalents, modules, sources)
+        found = {name: result for name, result in read_mutants(selected).items() if name in found}
+    outcome = judge(found, equivalents, sources, plan.reused if plan else None)
 
     seconds = time.monotonic() - started
     passed = report(outcome, seconds)
     if passed and options.record:
-        record_full_run(sources, outcome)
-        print(f"recorded in {FULL_RUN.relative_to(ROOT)}")
+        record(sources, equivalents, outcome)
     return 0 if passed else 1
 
 

@@ -6,8 +6,10 @@ import fnmatch
 import importlib.util
 import sys
 import tomllib
+from collections import Counter
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -85,32 +87,42 @@ def test_sources_map_every_package_file_into_one_src_tree(mutation: ModuleType) 
         assert path.as_posix().endswith(key.removeprefix("src/"))
 
 
-def test_a_source_without_functions_is_never_selected(mutation: ModuleType, tmp_path: Path) -> None:
-    plain = tmp_path / "plain.py"
-    plain.write_text("X = 1\n__all__ = ['X']\n")
-    code = tmp_path / "code.py"
-    code.write_text("class A:\n    def f(self):\n        return 1\n")
-    assert not mutation.defines_functions(plain)
-    assert mutation.defines_functions(code)
-
-
 def test_a_listed_survivor_is_equivalent_and_an_unmatched_entry_is_stale(
     mutation: ModuleType,
 ) -> None:
     listed = mutation.Equivalent("m.f", "return a + 1", "return a - 1", "why")
     gone = mutation.Equivalent("m.g", "x = 1", "x = 2", "the code changed since")
-    elsewhere = mutation.Equivalent("other.h", "y = 1", "y = 2", "a module not mutated now")
     alive = mutation.Mutant("m.x_f__mutmut_1", "src/m.py", "m.f", "return a + 1", "return a - 1")
     killed = mutation.Mutant("m.x_f__mutmut_2", "src/m.py", "m.f", "return a + 1", "return a")
     found = {alive.name: (alive, "survived"), killed.name: (killed, "killed")}
-    outcome = mutation.judge(found, [listed, gone, elsewhere], ["m"], {})
+    outcome = mutation.judge(found, [listed, gone], {})
     assert outcome.total == 2
-    assert outcome.fast_killed == [killed.name]
+    assert outcome.fast_killed == [killed]
     assert outcome.equivalent == [(alive, listed)]
     assert outcome.survivors == []
-    # Only entries of the modules that were mutated can be judged stale.
     assert outcome.stale == [gone]
     assert not mutation.report(outcome, 0.0)
+
+
+def test_reused_outcomes_count_and_a_reused_equivalent_keeps_its_entry(
+    mutation: ModuleType,
+) -> None:
+    entry = mutation.Equivalent("m.f", "return a + 1", "return a - 1", "why")
+    listed = mutation.Mutant("m.x_f__mutmut_1", "src/m.py", "m.f", "return a + 1", "return a - 1")
+    fast = mutation.Mutant("m.x_f__mutmut_2", "src/m.py", "m.f", "return a + 1", "return a")
+    slow = mutation.Mutant("m.x_f__mutmut_3", "src/m.py", "m.f", "return a + 1", "return a + 2")
+    reused = {
+        listed.name: (listed, "equivalent"),
+        fast.name: (fast, "fast"),
+        slow.name: (slow, "slow"),
+    }
+    outcome = mutation.judge({}, [entry], {}, reused)
+    assert (outcome.total, outcome.reused) == (3, 3)
+    assert outcome.fast_killed == [fast]
+    assert outcome.slow_killed == [slow]
+    assert outcome.equivalent == [(listed, entry)]
+    assert outcome.stale == []
+    assert mutation.report(outcome, 0.0)
 
 
 def test_list_prints_the_files_to_mutate_and_touches_nothing(
@@ -124,39 +136,37 @@ def test_list_prints_the_files_to_mutate_and_touches_nothing(
     assert laid_out == []
 
 
-def test_changed_with_every_source_recorded_has_nothing_to_mutate(
+def test_incremental_with_a_ledger_of_the_tree_as_it_is_has_nothing_to_mutate(
     mutation: ModuleType,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    sources = mutation.source_files()
-    record = tmp_path / "full_run.toml"
-    record.write_text(
-        "[sources]\n"
-        + "".join(
-            f'"{path.relative_to(mutation.ROOT)}" = "{mutation.digest(path)}"\n'
-            for path in sources.values()
-        )
-    )
-    monkeypatch.setattr(mutation, "FULL_RUN", record)
-    assert mutation.main(["--changed", "--list"]) == 0
-    assert capsys.readouterr().out == (
-        "no source file differs from the last recorded full run: nothing to mutate\n"
-    )
+    now = mutation.take_inputs(mutation.ROOT, mutation.source_files(), mutation.load_equivalents())
+    ledger = tmp_path / "ledger.toml"
+    mutation.write_ledger(ledger, mutation.Ledger(now, {}), "mutants = 0")
+    monkeypatch.setattr(mutation, "LEDGER", ledger)
+    assert mutation.main(["--incremental", "--list"]) == 0
+    assert "nothing to mutate" in capsys.readouterr().out
 
 
-def test_the_patterns_of_a_package_init_match_its_mutants_only(mutation: ModuleType) -> None:
-    patterns = mutation.mutant_patterns("toolkit.nn.__init__")
-    names = {
-        "toolkit.nn.x___getattr____mutmut_1": True,
-        "toolkit.nn.x\u01c1Cls\u01c1method__mutmut_2": True,
-        "toolkit.nn._tied_linear.x_f__mutmut_1": False,
-        "toolkit.nn._tied_linear.x\u01c1TiedLinear\u01c1weight__mutmut_1": False,
-    }
-    for name, wanted in names.items():
-        assert any(fnmatch.fnmatchcase(name, p) for p in patterns) is wanted, name
-    assert mutation.mutant_patterns("toolkit.nn._tied_linear") == ["toolkit.nn._tied_linear.*"]
+def test_the_pattern_of_a_function_run_whole_matches_its_mutants_only(
+    mutation: ModuleType,
+) -> None:
+    def mutant(name: str, function: str) -> Any:
+        return mutation.Mutant(name, "src/toolkit/nn/__init__.py", function, "a", "b")
+
+    getattr_ = "toolkit.nn.__init__.__getattr__"
+    init = [mutant(f"toolkit.nn.x___getattr____mutmut_{n}", getattr_) for n in (1, 2)]
+    other = [
+        mutant(f"toolkit.nn._t.x\u01c1T\u01c1w__mutmut_{n}", "toolkit.nn._t.T.w") for n in (1, 2)
+    ]
+    every = [*init, *other]
+    assert mutation.run_patterns(every, every) == []
+    patterns = mutation.run_patterns([*init, other[1]], every)
+    assert patterns == ["toolkit.nn.x___getattr____mutmut_*", other[1].name]
+    chosen = {m.name for m in every if any(fnmatch.fnmatchcase(m.name, p) for p in patterns)}
+    assert chosen == {init[0].name, init[1].name, other[1].name}
 
 
 def test_a_second_run_takes_the_timed_out_and_the_listed_mutants_that_were_killed(
@@ -180,3 +190,337 @@ def test_a_second_run_takes_the_timed_out_and_the_listed_mutants_that_were_kille
         "listed-timeout",
     ]
     assert mutation.second_run(found, []) == ["unlisted-timeout", "listed-timeout"]
+
+
+# The incremental run, on a small synthetic tree: one package with a module of three
+# functions, tests that cover them, a helper, conftest files and a docs page.
+
+MODULE = '''\
+def f(a):
+    """Add one."""
+    return a + 1
+
+
+def g(a):
+    return a * 2
+
+
+class C:
+    def h(self):
+        return 3
+'''
+
+TREE = {
+    "pyproject.toml": (
+        '[tool.mutmut]\npytest_add_cli_args_test_selection = ["tests/x", "-k", "fast"]\n'
+    ),
+    "packages/toolkit-x/pyproject.toml": "",
+    "packages/toolkit-x/src/toolkit/x/m.py": MODULE,
+    "tests/conftest.py": "PROFILE = 'dev'\n",
+    "tests/x/conftest.py": "",
+    "tests/x/helpers.py": "from .deep import TWO\n\nONE = 1\n",
+    "tests/x/deep.py": "TWO = 2\n",
+    "tests/x/test_f.py": "from tests.x.helpers import ONE\n\ndef test_f(): ...\n",
+    "tests/x/test_g.py": "def test_g(): ...\n",
+    "tests/x/test_h.py": "def test_h(): ...\n",
+    "docs/page.md": "A page the slow tests run.\n",
+}
+
+SRC = "src/toolkit/x/m.py"
+
+
+def _mutant(mutation: ModuleType, function: str, n: int, line: str, changed: str) -> Any:
+    local = f"x\u01c1C\u01c1{function}" if function == "h" else f"x_{function}"
+    qualname = f"toolkit.x.m.C.{function}" if function == "h" else f"toolkit.x.m.{function}"
+    return mutation.Mutant(f"toolkit.x.m.{local}__mutmut_{n}", SRC, qualname, line, changed)
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    for name, text in TREE.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+@pytest.fixture
+def mutants(mutation: ModuleType) -> list[Any]:
+    return [
+        _mutant(mutation, "f", 1, "return a + 1", "return a - 1"),  # killed fast
+        _mutant(mutation, "f", 2, "return a + 1", "return a + 2"),  # killed by the slow tests
+        _mutant(mutation, "g", 1, "return a * 2", "return a / 2"),  # killed fast
+        _mutant(mutation, "g", 2, "return a * 2", "return a * 3"),  # listed equivalent
+        _mutant(mutation, "h", 1, "return 3", "return 4"),  # killed fast
+    ]
+
+
+@pytest.fixture
+def listed(mutation: ModuleType) -> list[Any]:
+    return [mutation.Equivalent("toolkit.x.m.g", "return a * 2", "return a * 3", "probe")]
+
+
+COVERING = {
+    "toolkit.x.m.f": {"tests/x/test_f.py"},
+    "toolkit.x.m.g": {"tests/x/test_g.py"},
+    "toolkit.x.m.C.h": {"tests/x/test_h.py"},
+}
+
+
+def _record(mutation: ModuleType, root: Path, mutants: list[Any], listed: list[Any]) -> Any:
+    """Record the synthetic run in ``root/ledger.toml`` and read it back."""
+    outcome = mutation.Outcome(
+        total=len(mutants),
+        fast_killed=[mutants[0], mutants[2], mutants[4]],
+        slow_killed=[mutants[1]],
+        equivalent=[(mutants[3], listed[0])],
+    )
+    inputs = mutation.take_inputs(root, mutation.source_files(root), listed)
+    ledger = mutation.new_ledger(inputs, outcome, COVERING, root)
+    mutation.write_ledger(root / "ledger.toml", ledger, f"mutants = {outcome.total}")
+    return mutation.load_ledger(root / "ledger.toml")
+
+
+def _to_run(
+    mutation: ModuleType, root: Path, ledger: Any, mutants: list[Any], listed: list[Any]
+) -> set[str]:
+    """The mutants an incremental run over ``root`` as it is now would run, by function:n."""
+    now = mutation.take_inputs(root, mutation.source_files(root), listed, ledger.inputs.tests)
+    plan = mutation.plan_run(ledger, now, mutants, listed)
+    assert len(plan.run) + len(plan.reused) == len(mutants)
+    return {f"{m.function.rpartition('.')[2]}:{m.name.rpartition('_')[2]}" for m in plan.run}
+
+
+def _edit(root: Path, name: str, old: str, new: str) -> None:
+    path = root / name
+    assert old in path.read_text()
+    path.write_text(path.read_text().replace(old, new))
+
+
+def test_the_ledger_reads_back_as_written(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    assert set(ledger.records) == set(COVERING)
+    keys = mutation.mutant_keys(mutants)
+    f = ledger.records["toolkit.x.m.f"]
+    assert f.tests == ("tests/x/test_f.py",)
+    assert (f.fast, f.slow, f.equivalent) == (
+        (keys[mutants[0].name],),
+        (keys[mutants[1].name],),
+        (),
+    )
+    assert ledger.records["toolkit.x.m.g"].equivalent == (keys[mutants[3].name],)
+    assert set(ledger.inputs.tests) == {
+        "tests/x/test_f.py",
+        "tests/x/test_g.py",
+        "tests/x/test_h.py",
+    }
+    assert ledger.inputs.sources == {
+        "packages/toolkit-x/src/toolkit/x/m.py": mutation.digest(
+            tree / "packages/toolkit-x/src/toolkit/x/m.py"
+        )
+    }
+
+
+def test_unchanged_sources_and_tests_rerun_nothing(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    now = mutation.take_inputs(tree, mutation.source_files(tree), listed, ledger.inputs.tests)
+    assert mutation.unchanged(ledger, now)
+    assert _to_run(mutation, tree, ledger, mutants, listed) == set()
+
+
+def test_changing_one_function_reruns_its_mutants_only(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    _edit(tree, "packages/toolkit-x/src/toolkit/x/m.py", "a * 2", "2 * a")
+    assert _to_run(mutation, tree, ledger, mutants, listed) == {"g:1", "g:2"}
+
+
+def test_a_docstring_comment_or_layout_change_reruns_nothing(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    source = "packages/toolkit-x/src/toolkit/x/m.py"
+    _edit(tree, source, '"""Add one."""', '"""Add one to ``a``."""')
+    _edit(tree, source, "        return 3\n", "        # three\n        return (3)\n")
+    assert _to_run(mutation, tree, ledger, mutants, listed) == set()
+
+
+def test_changing_a_test_file_reruns_the_mutants_of_what_it_covers(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    _edit(tree, "tests/x/test_h.py", "...", "assert True")
+    # test_h.py covers C.h only; a test file is also in the slow selection, so the mutant
+    # that the slow tests killed runs again too.
+    assert _to_run(mutation, tree, ledger, mutants, listed) == {"h:1", "f:2"}
+
+
+@pytest.mark.parametrize("helper", ["tests/x/helpers.py", "tests/x/deep.py"])
+def test_changing_a_helper_reruns_the_mutants_of_every_test_that_imports_it(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any], helper: str
+) -> None:
+    # test_f.py imports helpers.py, which imports deep.py.
+    ledger = _record(mutation, tree, mutants, listed)
+    (tree / helper).write_text((tree / helper).read_text() + "THREE = 3\n")
+    assert _to_run(mutation, tree, ledger, mutants, listed) == {"f:1", "f:2"}
+
+
+@pytest.mark.parametrize("conftest", ["tests/conftest.py", "tests/x/conftest.py"])
+def test_changing_a_conftest_reruns_the_mutants_of_every_test_below_it(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any], conftest: str
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    (tree / conftest).write_text("CHANGED = True\n")
+    assert _to_run(mutation, tree, ledger, mutants, listed) == {"f:1", "f:2", "g:1", "g:2", "h:1"}
+
+
+def test_changing_a_page_the_slow_tests_run_reruns_the_mutants_they_killed(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    _edit(tree, "docs/page.md", "A page", "The page")
+    assert _to_run(mutation, tree, ledger, mutants, listed) == {"f:2"}
+
+
+def test_changing_the_settings_reruns_everything(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    _edit(tree, "pyproject.toml", '"fast"', '"fast or quick"')
+    assert len(_to_run(mutation, tree, ledger, mutants, listed)) == len(mutants)
+
+
+def test_a_listed_equivalent_stands_only_while_its_entry_does(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    assert _to_run(mutation, tree, ledger, mutants, []) == {"g:2"}
+    # A killed mutant that is newly listed runs again, as in the whole run.
+    newly = mutation.Equivalent("toolkit.x.m.C.h", "return 3", "return 4", "why")
+    assert _to_run(mutation, tree, ledger, mutants, [*listed, newly]) == {"h:1"}
+
+
+def test_a_function_or_mutant_missing_from_the_ledger_runs_in_full(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    del ledger.records["toolkit.x.m.C.h"]
+    assert _to_run(mutation, tree, ledger, mutants, listed) == {"h:1"}
+    now = mutation.take_inputs(tree, mutation.source_files(tree), listed)
+    assert len(mutation.plan_run(None, now, mutants, listed).run) == len(mutants)
+
+
+def test_a_reused_mutant_runs_when_the_tests_that_reach_its_function_changed(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    now = mutation.take_inputs(tree, mutation.source_files(tree), listed, ledger.inputs.tests)
+    plan = mutation.plan_run(ledger, now, mutants, listed)
+    assert mutation.recheck(plan, ledger, COVERING) == []
+    # test_f.py now reaches g too: it could kill g's listed equivalent.
+    covering = COVERING | {"toolkit.x.m.g": {"tests/x/test_f.py", "tests/x/test_g.py"}}
+    moved = mutation.recheck(plan, ledger, covering)
+    assert moved == [mutants[2], mutants[3]]
+    assert moved[0] in plan.run
+    assert moved[0].name not in plan.reused
+
+
+def test_a_ledger_that_claims_a_function_with_other_mutants_does_not_match(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    now = mutation.take_inputs(tree, mutation.source_files(tree), listed, ledger.inputs.tests)
+    keys = mutation.mutant_keys(mutants)
+
+    def keyed(mutants: list[Any]) -> dict[str, Counter[str]]:
+        found: dict[str, Counter[str]] = {}
+        for m in mutants:
+            found.setdefault(m.function, Counter())[keys[m.name]] += 1
+        return found
+
+    assert mutation.mismatches(ledger, now, keyed(mutants)) == []
+    extra = _mutant(mutation, "h", 2, "return 3", "return None")
+    keys[extra.name] = mutation.mutant_keys([extra])[extra.name]
+    # mutmut makes a mutant of the unchanged C.h that the ledger lacks, or lacks one it lists.
+    assert mutation.mismatches(ledger, now, keyed([*mutants, extra])) == ["toolkit.x.m.C.h"]
+    assert mutation.mismatches(ledger, now, keyed(mutants[:4])) == ["toolkit.x.m.C.h"]
+    # A changed function is not claimed: its mutants may differ.
+    _edit(tree, "packages/toolkit-x/src/toolkit/x/m.py", "return 3", "return 30")
+    now = mutation.take_inputs(tree, mutation.source_files(tree), listed, ledger.inputs.tests)
+    assert mutation.mismatches(ledger, now, keyed(mutants[:4])) == []
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("setup = ", "setup_ = "),
+        ('hash = "', 'hash = "zz'),
+        ("fast = [", "killed = ["),
+        ('"tests/x/test_h.py",\n]', '"tests/x/test_gone.py",\n]'),
+        ("[functions.", "[function."),
+        ("slow = [", "slow = [\n    1,"),
+    ],
+)
+def test_a_malformed_ledger_stops_the_run(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any], old: str, new: str
+) -> None:
+    _record(mutation, tree, mutants, listed)
+    _edit(tree, "ledger.toml", old, new)
+    with pytest.raises(mutation.LedgerError):
+        mutation.load_ledger(tree / "ledger.toml")
+
+
+def test_a_mutant_key_leaves_the_number_out_and_tells_repeats_apart(mutation: ModuleType) -> None:
+    first = mutation.Mutant("m.x_f__mutmut_1", "src/m.py", "m.f", "x = 1", "x = 2")
+    again = mutation.Mutant("m.x_f__mutmut_2", "src/m.py", "m.f", "x = 1", "x = 2")
+    renumbered = mutation.Mutant("m.x_f__mutmut_5", "src/m.py", "m.f", "x = 1", "x = 2")
+    keys = mutation.mutant_keys([again, first])
+    assert keys[again.name] == keys[first.name] + "#2"
+    assert mutation.mutant_keys([renumbered])[renumbered.name] == keys[first.name]
+
+
+def test_recording_an_incremental_run_merges_what_it_ran_into_the_ledger(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    _edit(tree, "packages/toolkit-x/src/toolkit/x/m.py", "a * 2", "2 * a")
+    now = mutation.take_inputs(tree, mutation.source_files(tree), listed, ledger.inputs.tests)
+    plan = mutation.plan_run(ledger, now, mutants, listed)
+    found = {plan.run[0].name: (plan.run[0], "killed"), plan.run[1].name: (plan.run[1], "survived")}
+    outcome = mutation.judge(found, listed, {}, plan.reused)
+    assert mutation.report(outcome, 0.0)
+    merged = mutation.new_ledger(now, outcome, COVERING, tree)
+    assert merged.records["toolkit.x.m.g"].hash == now.functions["toolkit.x.m.g"]
+    assert merged.records["toolkit.x.m.g"].hash != ledger.records["toolkit.x.m.g"].hash
+    for function in ("toolkit.x.m.f", "toolkit.x.m.C.h"):
+        assert merged.records[function] == ledger.records[function]
+    mutation.write_ledger(tree / "ledger.toml", merged, "mutants = 5")
+    merged = mutation.load_ledger(tree / "ledger.toml")
+    assert mutation.unchanged(merged, now)
+    assert _to_run(mutation, tree, merged, mutants, listed) == set()
+
+
+def test_when_no_outcome_is_in_doubt_but_a_source_changed_the_listed_mutants_run(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    # A change outside every function: mutmut's stats of a run tell which tests reach what.
+    ledger = _record(mutation, tree, mutants, listed)
+    (tree / "packages/toolkit-x/src/toolkit/x/m.py").write_text(MODULE + "LIMIT = 3\n")
+    now = mutation.take_inputs(tree, mutation.source_files(tree), listed, ledger.inputs.tests)
+    assert not mutation.unchanged(ledger, now)
+    plan = mutation.plan_incremental(ledger, now, mutants, listed)
+    assert plan.run == [mutants[3]]
+    assert len(plan.reused) == len(mutants) - 1
+
+
+def test_an_incremental_run_stops_on_a_ledger_that_does_not_describe_the_sources(
+    mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
+) -> None:
+    ledger = _record(mutation, tree, mutants, listed)
+    now = mutation.take_inputs(tree, mutation.source_files(tree), listed, ledger.inputs.tests)
+    with pytest.raises(SystemExit, match=r"toolkit\.x\.m\.C\.h"):
+        mutation.plan_incremental(ledger, now, mutants[:4], listed)
