@@ -125,3 +125,74 @@ def test_a_schedule_trains_as_one_model_with_one_all_reduce_per_step_each_for_ti
         assert {key for result in results for key in result["state"]} == set(
             ReferenceLM().state_dict()
         )
+
+
+# Accumulating over schedule steps under FSDP2, with the schedule's default scale_grads=True. ---
+
+ACCUMULATION = 2  # schedule steps per optimizer step
+
+
+def reference_scaled_accumulation(replicas: int) -> dict[str, Any]:
+    """``ReferenceLM`` trained as a schedule with ``scale_grads=True`` accumulates: after each
+    schedule step every gradient is divided by the number of microbatches, in place."""
+    model = ReferenceLM()
+    model.load_state_dict(initial_state())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    norms = []
+    for idx, targets in batches(4, STEPS):
+        opt.zero_grad()
+        per_step = replicas * MICROBATCHES
+        chunks = list(
+            zip(idx.chunk(ACCUMULATION * per_step), targets.chunk(ACCUMULATION * per_step))
+        )
+        for step in range(ACCUMULATION):
+            for replica in range(replicas):
+                for micro in range(MICROBATCHES):
+                    i, t = chunks[(replica * ACCUMULATION + step) * MICROBATCHES + micro]
+                    (loss_fn(model(i), t) / replicas).backward()
+            for p in model.parameters():
+                p.grad.div_(MICROBATCHES)  # type: ignore[union-attr]
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+    return {"norms": norms, "state": model.state_dict()}
+
+
+def scaled_accumulation_in_a_process() -> dict[str, Any]:
+    """pp=2 x dp=2 under FSDP2: ``reduce_grads()`` after each of two schedule steps."""
+    with process_group():
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        pp, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+        stage = split(whole_model(initial_state()), pp, 2)
+        fully_shard(stage, mesh=mesh["dp"])
+        tie = PipelineTie(stage, mesh["pp"])
+        pipeline_stage = PipelineStage(
+            stage, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group()
+        )
+        schedule = ScheduleGPipe(pipeline_stage, MICROBATCHES, loss_fn=loss_fn)  # scale_grads=True
+        opt = torch.optim.SGD(stage.parameters(), lr=LR)
+        norms = []
+        for idx, targets in batches(4, STEPS):
+            opt.zero_grad()
+            rows = len(idx) // 2
+            for step in range(ACCUMULATION):
+                part = slice(
+                    replica * rows + step * rows // 2, replica * rows + (step + 1) * rows // 2
+                )
+                if pp == 0:
+                    schedule.step(idx[part])
+                else:
+                    schedule.step(target=targets[part])
+                tie.reduce_grads()
+            norms.append(pipeline_clip_grad_norm_(stage.parameters(), MAX_NORM, tie=tie).item())
+            opt.step()
+        tie.check()
+        state = get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True))
+        return {"norms": norms, "state": {k: v.detach().clone() for k, v in state.items()}}
+
+
+def test_fsdp2_accumulation_with_the_schedules_scaling_counts_the_tie_once_distributed() -> None:
+    expected = reference_scaled_accumulation(replicas=2)
+    for result in run_processes(4, scaled_accumulation_in_a_process, timeout=240.0):
+        close(result["norms"], expected["norms"])
+        for key, value in result["state"].items():
+            close(value, expected["state"][key], msg=key)

@@ -119,7 +119,6 @@ class PipelineTie:
         weights = [_weight(c) for copies in self._copies.values() for c in copies]
         self._device = _device([*weights, *(p for m in modules for p in m.parameters())])
         self._written: dict[tuple[str, int], _Mark] = {}
-        self._flagged: dict[tuple[str, int], _Mark] = {}
         self._hooked: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
         self.broadcast()
 
@@ -158,10 +157,6 @@ class PipelineTie:
         name, index = key
         return index == 0 and self._rank == self._holders[name][0]
 
-    def _grad(self, key: tuple[str, int]) -> torch.Tensor | None:
-        name, index = key
-        return _weight(self._copies[name][index]).grad
-
     def _local_sum(self, name: str, out: torch.Tensor) -> bool:
         """Add this rank's part of ``name``'s gradient into ``out``; whether any copy had one.
 
@@ -192,28 +187,17 @@ class PipelineTie:
         all lack a gradient (frozen, or unused this step) keeps ``None`` everywhere.
 
         It may be called after each of several backward passes that accumulate into the
-        same gradients, or twice: the sum is taken once. Before a backward adds into a
+        same gradients (after each schedule step, with or without the schedule's
+        ``scale_grads``), or twice: the sum is taken once. Before a backward adds into a
         gradient this method wrote, a hook clears the gradient of every copy but the first
         stage's, which alone carries the part already summed. FSDP2 adds into the sharded
-        gradient without that hook, so there a gradient accumulated onto the written one,
-        without ``zero_grad()`` between, is refused.
-
-        Raises:
-            RuntimeError: Under FSDP2, if a copy other than the first stage's accumulated a
-                gradient onto the one the last call wrote; no gradient is changed. Where
-                several ranks hold copies, every rank of the group raises it (the check
-                travels in the sum's ``all_reduce``). Where one rank holds every copy, no
-                collective runs and only that rank raises: the others return, so the
-                training loop must stop them too, or they wait in their next collective.
+        gradient without that hook; there a hook that runs after the addition subtracts the
+        sum this method wrote, for which the tie keeps the sum of a sharded weight between
+        calls (one local shard of each tied weight).
         """
-        for key, mark in list(self._flagged.items()):
-            if not mark.unchanged(self._grad(key)):
-                del self._flagged[key]
         sizes = [math.prod(self._layouts[name].local_shape) for name in self._shared]
-        flat = torch.zeros(
-            sum(sizes) + len(self._shared) + 1, dtype=self._dtype, device=self._device
-        )
-        *parts, counts = torch.split(flat, [*sizes, len(self._shared) + 1])
+        flat = torch.zeros(sum(sizes) + len(self._shared), dtype=self._dtype, device=self._device)
+        *parts, counts = torch.split(flat, [*sizes, len(self._shared)])
         sums: dict[str, torch.Tensor] = {}
         present: dict[str, bool] = {}
         for name in self.names:
@@ -223,21 +207,12 @@ class PipelineTie:
             else:
                 sums[name] = torch.zeros(layout.local_shape, dtype=self._dtype, device=self._device)
             present[name] = self._local_sum(name, sums[name])
-        counts.copy_(torch.tensor([*(float(present[n]) for n in self._shared), len(self._flagged)]))
+        counts.copy_(torch.tensor([float(present[n]) for n in self._shared]))
         if self._shared:
             dist.all_reduce(flat, group=self.group)
-        *shared_counts, flagged = counts.tolist()
         present.update(
-            (name, count > 0) for name, count in zip(self._shared, shared_counts, strict=True)
+            (name, count > 0) for name, count in zip(self._shared, counts.tolist(), strict=True)
         )
-        if flagged > 0:
-            raise RuntimeError(
-                "PipelineTie.reduce_grads() found a gradient accumulated onto the sum that the "
-                "previous call wrote, on a copy that FSDP2 adds into without the tie seeing it: "
-                "summing again would count the earlier backward passes twice. Call "
-                "optimizer.zero_grad() after each optimizer step, and when accumulating over "
-                "several schedule steps under FSDP2, call reduce_grads() once, after the last"
-            )
         for name, total in sums.items():
             if not present[name]:
                 continue  # frozen, or unused this step: every copy keeps None
@@ -247,7 +222,9 @@ class PipelineTie:
                     weight.grad = _like(weight, total.to(_local(weight).dtype, copy=True))
                 else:
                     _local(weight.grad).copy_(total)
-                self._written[name, index] = _Mark(weight.grad)
+                # A sharded (FSDP2) copy keeps the sum, to take it out of a later addition.
+                kept = total if _is_dtensor(weight) else None
+                self._written[name, index] = _Mark(weight.grad, kept)
                 self._hook((name, index), weight)
 
     def _hook(self, key: tuple[str, int], weight: nn.Parameter) -> None:
@@ -273,12 +250,12 @@ class PipelineTie:
                 weight.grad.zero_()  # type: ignore[union-attr] # held by written
 
     def _after_accumulation(self, key: tuple[str, int], weight: torch.Tensor) -> None:
-        """After a gradient was added in without the hook above, as FSDP2 does."""
+        """After a gradient was added in without the hook above, as FSDP2 does: onto the sum
+        this tie wrote, which only the first copy keeps, unless it was cleared since."""
         written = self._written.pop(key, None)
-        if written is None or not written.holds(weight.grad) or self._is_primary(key):
+        if written is None or not written.unchanged(weight.grad) or self._is_primary(key):
             return
-        if written.unchanged(weight.grad):  # not zeroed since reduce_grads() wrote it
-            self._flagged[key] = _Mark(weight.grad)  # type: ignore[arg-type] # held by written
+        _local(weight.grad).sub_(written.total)  # type: ignore[arg-type] # held by written
 
     def duplicates(self) -> Iterator[nn.Parameter]:
         """The copies not counted in a norm over the pipeline: all but the first stage's."""
@@ -488,11 +465,13 @@ class _Layout(NamedTuple):
 
 
 class _Mark:
-    """A gradient tensor as it was when marked, without keeping it alive."""
+    """A gradient tensor as it was when marked, without keeping it alive, and its sum."""
 
-    def __init__(self, grad: torch.Tensor) -> None:
+    def __init__(self, grad: torch.Tensor, total: torch.Tensor | None = None) -> None:
         self._ref = weakref.ref(grad)
         self._version = grad._version
+        self.total = total
+        """The local sum written into ``grad``, where it is kept."""
 
     def holds(self, grad: torch.Tensor | None) -> bool:
         """Whether ``grad`` is the marked tensor, changed in place since or not."""
