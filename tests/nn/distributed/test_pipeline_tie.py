@@ -143,7 +143,11 @@ def reference_scaled_accumulation(replicas: int) -> dict[str, Any]:
         opt.zero_grad()
         per_step = replicas * MICROBATCHES
         chunks = list(
-            zip(idx.chunk(ACCUMULATION * per_step), targets.chunk(ACCUMULATION * per_step))
+            zip(
+                idx.chunk(ACCUMULATION * per_step),
+                targets.chunk(ACCUMULATION * per_step),
+                strict=True,
+            )
         )
         for step in range(ACCUMULATION):
             for replica in range(replicas):

@@ -250,8 +250,11 @@ class PipelineTie:
                 weight.grad.zero_()  # type: ignore[union-attr] # held by written
 
     def _after_accumulation(self, key: tuple[str, int], weight: torch.Tensor) -> None:
-        """After a gradient was added in without the hook above, as FSDP2 does: onto the sum
-        this tie wrote, which only the first copy keeps, unless it was cleared since."""
+        """After a gradient was added in without the hook above, as FSDP2 does.
+
+        Added onto the sum this tie wrote, not cleared since, it has that sum taken out
+        again: only the first copy keeps it.
+        """
         written = self._written.pop(key, None)
         if written is None or not written.unchanged(weight.grad) or self._is_primary(key):
             return
