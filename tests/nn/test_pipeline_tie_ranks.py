@@ -58,6 +58,10 @@ def refused_stages(case: str) -> list[Any]:
         last.out.head = TiedLinear(first.emb)
         return [[middle], [first, last]]
     first, last = stages_of(0, 2)
+    if case == "replicas":  # group= forgotten: both ranks hold the last stage
+        return [last, last]
+    if case == "dtype":
+        return [first, copy.deepcopy(last).double()]
     if case == "unregistered":
         last.emb = None  # type: ignore[assignment]
     else:
@@ -80,7 +84,45 @@ REFUSED: dict[str, str | tuple[str, ...]] = {
         "{'emb': (17, 8)} and group rank 1 has {'emb': (5, 8)}; build every stage from the same "
         "model"
     ),
+    "replicas": (
+        "PipelineTie found the same stages on group ranks 0 and 1: its group holds replicas of a "
+        "stage, as the default group (the world) does under data parallelism, and it would sum "
+        "their tied gradients as the copies of different stages. Pass the pipeline's group, one "
+        'rank per stage, such as group=mesh["pp"]'
+    ),
+    "dtype": (
+        "PipelineTie needs every copy of the tied weights to have one dtype, but group rank 0 has "
+        "{'emb': torch.float32} and group rank 1 has {'emb': torch.float64}; give every stage's "
+        "copy one dtype, such as with stage.to(dtype)"
+    ),
 }
+
+
+def test_copies_sharded_differently_are_refused_on_every_rank_with_the_fix() -> None:
+    # The group= forgotten under FSDP2: each stage is sharded over the tie's own two ranks.
+    stages = stages_of(0, 2)
+
+    def rank_main(rank: int) -> str:
+        mesh = init_device_mesh("cpu", (2,))
+        stage = copy.deepcopy(stages[rank])
+        for s in stages:  # every rank shards both stages' copies, to hold its own
+            shard = distribute_tensor(s.emb.weight.detach(), mesh, [Shard(0)])
+            if s is stages[rank]:
+                stage.emb.weight = nn.Parameter(shard)
+        with pytest.raises(ValueError, match=r"^PipelineTie") as info:
+            PipelineTie(stage)
+        return " ".join(str(info.value).split())
+
+    assert (
+        run_threads(2, rank_main)
+        == [
+            "PipelineTie needs every copy of the tied weights to have one local shard shape, but "
+            "group rank 0 has {'emb': (9, 8)} and group rank 1 has {'emb': (8, 8)}; shard every "
+            "stage's copy alike over the same data-parallel mesh, as fully_shard(stage, "
+            'mesh=mesh["dp"]) does, and pass the pipeline\'s group, such as group=mesh["pp"]'
+        ]
+        * 2
+    )
 
 
 @pytest.mark.parametrize("case", REFUSED)
@@ -475,3 +517,39 @@ def test_float64_tied_weights_are_broadcast_and_summed_in_float64() -> None:
     assert not torch.equal(1.0 + small, (1.0 + small.float()).double())  # float32 would round
     assert stages[1].emb is None
     run_threads(3, rank_main)
+
+
+def test_a_stage_local_tie_beside_placeholders_of_other_stages_is_tied_on_its_stage() -> None:
+    # The first stage keeps an nn.Identity under the name of the last stage's own tied module.
+    first, last = stages_of(0, 2)
+    first.aux_emb = nn.Identity()
+    last = with_aux(last)
+
+    def rank_main(rank: int) -> str:
+        tie = PipelineTie([first, last][rank])
+        return repr(tie)
+
+    assert run_threads(2, rank_main) == [
+        "PipelineTie(names=['aux_emb', 'emb'], copies_on_this_rank={aux_emb: 0, emb: 1}, "
+        "group_size=2)",
+        "PipelineTie(names=['aux_emb', 'emb'], copies_on_this_rank={aux_emb: 1, emb: 1}, "
+        "group_size=2)",
+    ]
+
+
+def test_a_rank_outside_the_ties_group_is_told_so() -> None:
+    stages = stages_of(0, 2)
+
+    def rank_main(rank: int) -> str | None:
+        group = dist.new_group([0, 1])
+        if rank < 2:
+            PipelineTie(copy.deepcopy(stages[rank]), group)
+            return None
+        with pytest.raises(ValueError, match=r"^PipelineTie") as info:
+            PipelineTie(copy.deepcopy(stages[rank - 2]), group)
+        return str(info.value)
+
+    for rank, message in enumerate(run_threads(3, rank_main)[2:], start=2):
+        assert f"global rank {rank}" in message
+        assert "not a rank of its group" in message
+        assert 'group=mesh["pp"]' in message

@@ -74,6 +74,12 @@ class PipelineTie:
         modules = [_unwrap(m) for m in modules]
         self.group = _process_group(group)
         self._rank = dist.get_rank(self.group)
+        if self._rank < 0:
+            raise ValueError(
+                f"PipelineTie was set up on global rank {dist.get_rank()}, which is not a rank "
+                "of its group; set it up on the ranks of the group only, each with the group of "
+                'its own pipeline, such as group=mesh["pp"]'
+            )
         problem, local_names = _local_ties(modules)
         gathered = _gather((problem, local_names), self.group)
         for rank, (rank_problem, _) in enumerate(gathered):
@@ -81,33 +87,28 @@ class PipelineTie:
                 raise ValueError(f"PipelineTie refused group rank {rank}'s stages: {rank_problem}")
         self.names = tuple(sorted({n for _, names in gathered for n in names}))
         problem, layouts = _copies_problem(modules, self.names)
-        checks = _gather((problem, layouts), self.group)
+        checks = _gather((problem, layouts, _stages_key(modules)), self.group)
         if not self.names:
             raise ValueError(
                 "PipelineTie found no TiedLinear in the stages of any rank of the group; "
                 "pass the stage modules that hold the tied module and the TiedLinear head"
             )
-        for rank, (rank_problem, _) in enumerate(checks):
+        for rank, (rank_problem, _, _) in enumerate(checks):
             if rank_problem is not None:
                 raise ValueError(f"PipelineTie refused group rank {rank}'s stages: {rank_problem}")
+        _refuse_replicas(checks)
         # Every name is held somewhere: a TiedLinear reads it from a module of its own stage.
         self._holders = {
-            name: [rank for rank, (_, held) in enumerate(checks) if name in held]
+            name: [rank for rank, (_, held, _) in enumerate(checks) if name in held]
             for name in self.names
         }
         self._layouts: dict[str, _Layout] = {}
         for name, (first, *others) in self._holders.items():
             self._layouts[name] = checks[first][1][name]
             for rank in others:
-                if checks[rank][1][name].shape != self._layouts[name].shape:
-                    raise ValueError(
-                        "PipelineTie needs every copy of the tied weights to have one shape, "
-                        f"but group rank {first} has {_shapes(checks[first][1])} and group "
-                        f"rank {rank} has {_shapes(checks[rank][1])}; build every stage from "
-                        "the same model"
-                    )
+                _refuse_unlike(name, (first, checks[first][1]), (rank, checks[rank][1]))
         self._copies = {
-            name: [m.get_submodule(name) for m in modules if _has_module(m, name)]
+            name: [m.get_submodule(name) for m in modules if _holds_copy(m, name)]
             for name in self.names
         }
         # The weights held by more than one rank are summed in one all_reduce over the group.
@@ -207,7 +208,7 @@ class PipelineTie:
             else:
                 sums[name] = torch.zeros(layout.local_shape, dtype=self._dtype, device=self._device)
             present[name] = self._local_sum(name, sums[name])
-        counts.copy_(torch.tensor([float(present[n]) for n in self._shared]))
+        counts.copy_(counts.new_tensor([float(present[n]) for n in self._shared]))
         if self._shared:
             dist.all_reduce(flat, group=self.group)
         present.update(
@@ -451,12 +452,65 @@ def _local_ties(stages: list[nn.Module]) -> tuple[str | None, list[str]]:
     return None, names
 
 
-def _has_module(stage: nn.Module, name: str) -> bool:
+def _holds_copy(stage: nn.Module, name: str) -> bool:
+    """Whether ``stage`` holds a copy of the tied module ``name``.
+
+    A module under that name is a copy if it has parameters or a TiedLinear of the stage reads
+    it; a placeholder that other stages keep under the name, such as ``nn.Identity``, is not.
+    """
     try:
-        stage.get_submodule(name)
+        module = stage.get_submodule(name)
     except AttributeError:
         return False
-    return True
+    read = any(head.tied_module is module for _, head in _tied_linears(stage))
+    return read or any(True for _ in module.parameters())
+
+
+def _stages_key(stages: list[nn.Module]) -> list[tuple[list[str], list[str]]]:
+    """What tells a rank's stages apart: each stage's parameter names and TiedLinear paths."""
+    return [
+        (sorted(n for n, _ in stage.named_parameters()), sorted(p for p, _ in _tied_linears(stage)))
+        for stage in stages
+    ]
+
+
+def _refuse_replicas(checks: list[Any]) -> None:
+    """Refuse two ranks that hold the same stages: data-parallel replicas of one stage."""
+    seen: dict[str, int] = {}
+    for rank, (_, _, key) in enumerate(checks):
+        first = seen.setdefault(repr(key), rank)
+        if first != rank:
+            raise ValueError(
+                f"PipelineTie found the same stages on group ranks {first} and {rank}: its group "
+                "holds replicas of a stage, as the default group (the world) does under data "
+                "parallelism, and it would sum their tied gradients as the copies of different "
+                "stages. Pass the pipeline's group, one rank per stage, such as "
+                'group=mesh["pp"]'
+            )
+
+
+def _refuse_unlike(
+    name: str, first: tuple[int, dict[str, _Layout]], other: tuple[int, dict[str, _Layout]]
+) -> None:
+    """Refuse two ranks' copies of ``name`` that differ in shape, dtype or local shard."""
+    (rank0, layouts0), (rank1, layouts1) = first, other
+    for field, what, fix in (
+        ("shape", "shape", "build every stage from the same model"),
+        ("dtype", "dtype", "give every stage's copy one dtype, such as with stage.to(dtype)"),
+        (
+            "local_shape",
+            "local shard shape",
+            "shard every stage's copy alike over the same data-parallel mesh, as "
+            'fully_shard(stage, mesh=mesh["dp"]) does, and pass the pipeline\'s group, such as '
+            'group=mesh["pp"]',
+        ),
+    ):
+        if getattr(layouts0[name], field) != getattr(layouts1[name], field):
+            raise ValueError(
+                f"PipelineTie needs every copy of the tied weights to have one {what}, but "
+                f"group rank {rank0} has {_field(layouts0, field)} and group rank {rank1} has "
+                f"{_field(layouts1, field)}; {fix}"
+            )
 
 
 class _Layout(NamedTuple):
@@ -492,8 +546,8 @@ def _gather(obj: object, group: dist.ProcessGroup) -> list[Any]:
     return gathered
 
 
-def _shapes(layouts: dict[str, _Layout]) -> dict[str, tuple[int, ...]]:
-    return {name: layout.shape for name, layout in layouts.items()}
+def _field(layouts: dict[str, _Layout], field: str) -> dict[str, Any]:
+    return {name: getattr(layout, field) for name, layout in layouts.items()}
 
 
 def _copies_problem(
@@ -502,7 +556,7 @@ def _copies_problem(
     """The first problem with this rank's copies, and the layout of each tied weight it holds."""
     layouts: dict[str, _Layout] = {}
     for name in names:
-        copies = [stage.get_submodule(name) for stage in stages if _has_module(stage, name)]
+        copies = [stage.get_submodule(name) for stage in stages if _holds_copy(stage, name)]
         for copy in copies:
             others = sorted(n for n, _ in copy.named_parameters() if n != "weight")
             if others:
