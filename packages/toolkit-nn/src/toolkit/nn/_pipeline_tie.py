@@ -43,9 +43,12 @@ class PipelineTie:
             ``mesh["pp"]``. Default: the default process group.
 
     Raises:
-        ValueError: On every rank, if a stage's TiedLinear reads a module not registered in
-            that stage, no TiedLinear is found, the copies differ in shape, two stages of a
-            rank share one weight object, or a tied module has parameters besides its weight.
+        ValueError: On every rank of ``group``, if a stage's TiedLinear reads a module not
+            registered in that stage, no TiedLinear is found, the copies differ in shape,
+            dtype or local shard shape, two stages of a rank share one weight object, a tied
+            module has parameters besides its weight, or two ranks hold the same stages (the
+            default group under data parallelism: pass the pipeline's group). On a rank
+            outside ``group``, saying so.
 
     Added in version v3.58.0.
 
@@ -527,8 +530,7 @@ class _Mark:
     def __init__(self, grad: torch.Tensor, total: torch.Tensor | None = None) -> None:
         self._ref = weakref.ref(grad)
         self._version = grad._version
-        self.total = total
-        """The local sum written into ``grad``, where it is kept."""
+        self.total = total  # the local sum written into ``grad``, where it is kept
 
     def holds(self, grad: torch.Tensor | None) -> bool:
         """Whether ``grad`` is the marked tensor, changed in place since or not."""
