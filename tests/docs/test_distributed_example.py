@@ -168,9 +168,8 @@ def test_the_tie_adds_one_all_reduce_of_its_local_shard_and_nothing_else(
         extra = list(tied_sizes)
         for size in untied_sizes:
             extra.remove(size)
-        # The local shard of the gradient, and two counters: whether any copy had a
-        # gradient, and whether any was accumulated onto an earlier sum.
-        assert extra == [run["shard"] + 2]
+        # The local shard of the gradient, and a counter: whether any copy had a gradient.
+        assert extra == [run["shard"] + 1]
         shards.add(run["shard"])
     # 17 rows split 9 + 8 by tp, then 5 + 4 and 4 + 4 by dp, of 8 columns: uneven shards.
     assert shards == {5 * 8, 4 * 8}

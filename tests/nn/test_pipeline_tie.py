@@ -332,3 +332,18 @@ def test_foreach_true_where_no_foreach_kernel_exists_is_refused_as_by_torch() ->
         with pytest.raises(RuntimeError, match="foreach=True was passed") as ours:
             clip(weight, 1.0, foreach=True, error_if_nonfinite=True)
         assert str(ours.value) == str(theirs.value)
+
+
+def test_foreach_true_is_refused_as_by_torch_for_a_duplicate_copy_left_out_of_the_norm() -> None:
+    # One rank holds both stages; the last stage's copy, a duplicate, lives on the meta device.
+    first, last = stages_of(0, 2)
+    last.emb.to("meta")
+    tie = PipelineTie([first, last])
+    duplicate = last.emb.weight
+    assert list(tie.duplicates()) == [duplicate]
+    duplicate.grad = torch.ones_like(duplicate)
+    with pytest.raises(RuntimeError, match="foreach=True was passed") as theirs:
+        torch.nn.utils.clip_grad_norm_(duplicate, 1.0, foreach=True)
+    with pytest.raises(RuntimeError, match="foreach=True was passed") as ours:
+        pipeline_clip_grad_norm_(duplicate, 1.0, foreach=True, tie=tie)
+    assert str(ours.value) == str(theirs.value)

@@ -58,6 +58,10 @@ def refused_stages(case: str) -> list[Any]:
         last.out.head = TiedLinear(first.emb)
         return [[middle], [first, last]]
     first, last = stages_of(0, 2)
+    if case == "replicas":  # group= forgotten: both ranks hold the last stage
+        return [last, last]
+    if case == "dtype":
+        return [first, copy.deepcopy(last).double()]
     if case == "unregistered":
         last.emb = None  # type: ignore[assignment]
     else:
@@ -80,7 +84,45 @@ REFUSED: dict[str, str | tuple[str, ...]] = {
         "{'emb': (17, 8)} and group rank 1 has {'emb': (5, 8)}; build every stage from the same "
         "model"
     ),
+    "replicas": (
+        "PipelineTie found the same stages on group ranks 0 and 1: its group holds replicas of a "
+        "stage, as the default group (the world) does under data parallelism, and it would sum "
+        "their tied gradients as the copies of different stages. Pass the pipeline's group, one "
+        'rank per stage, such as group=mesh["pp"]'
+    ),
+    "dtype": (
+        "PipelineTie needs every copy of the tied weights to have one dtype, but group rank 0 has "
+        "{'emb': torch.float32} and group rank 1 has {'emb': torch.float64}; give every stage's "
+        "copy one dtype, such as with stage.to(dtype)"
+    ),
 }
+
+
+def test_copies_sharded_differently_are_refused_on_every_rank_with_the_fix() -> None:
+    # The group= forgotten under FSDP2: each stage is sharded over the tie's own two ranks.
+    stages = stages_of(0, 2)
+
+    def rank_main(rank: int) -> str:
+        mesh = init_device_mesh("cpu", (2,))
+        stage = copy.deepcopy(stages[rank])
+        for s in stages:  # every rank shards both stages' copies, to hold its own
+            shard = distribute_tensor(s.emb.weight.detach(), mesh, [Shard(0)])
+            if s is stages[rank]:
+                stage.emb.weight = nn.Parameter(shard)
+        with pytest.raises(ValueError, match=r"^PipelineTie") as info:
+            PipelineTie(stage)
+        return " ".join(str(info.value).split())
+
+    assert (
+        run_threads(2, rank_main)
+        == [
+            "PipelineTie needs every copy of the tied weights to have one local shard shape, but "
+            "group rank 0 has {'emb': (9, 8)} and group rank 1 has {'emb': (8, 8)}; shard every "
+            "stage's copy alike over the same data-parallel mesh, as fully_shard(stage, "
+            'mesh=mesh["dp"]) does, and pass the pipeline\'s group, such as group=mesh["pp"]'
+        ]
+        * 2
+    )
 
 
 @pytest.mark.parametrize("case", REFUSED)
@@ -372,12 +414,13 @@ def test_reduce_grads_without_gradients_keeps_none_and_twice_keeps_the_sum(
     run_threads(2, rank_main)
 
 
-def test_dtensor_copies_are_summed_by_shard_and_fsdp2s_accumulation_onto_the_sum_refused(
+def test_dtensor_copies_are_summed_by_shard_and_fsdp2s_accumulation_onto_the_sum_counted_once(
     calls: dict[int, list[str]],
 ) -> None:
     # Rank dp * 2 + pp holds stage pp, its copy sharded over "dp" (17 rows: 9 and 8). FSDP2 adds
     # a reduce-scattered gradient into the sharded one, then runs the post-accumulate hooks,
-    # without autograd's pre-accumulation hooks: as fsdp2_accumulate does.
+    # without autograd's pre-accumulation hooks and without a version bump of the gradient:
+    # as fsdp2_accumulate does.
     stages = stages_of(0, 2)
     emb = initial_state()["emb.weight"]
     head_grad = torch.arange(17 * 8, dtype=torch.float32).view(17, 8)
@@ -430,14 +473,16 @@ def test_dtensor_copies_are_summed_by_shard_and_fsdp2s_accumulation_onto_the_sum
         fsdp2_accumulate(weight, local * (pp + 1))
         tie.reduce_grads()
         torch.testing.assert_close(grad.full_tensor(), head_grad * 3)
-        # A backward onto the written sum, without zeroing: refused, nothing changed.
+        # A backward onto the written sum, without zeroing, on both stages: the sum counts it
+        # once, and each new gradient once (3 + 1 + 1).
         fsdp2_accumulate(weight, local)
-        before = grad.to_local().clone()
-        with pytest.raises(RuntimeError, match=r"^PipelineTie.reduce_grads\(\)") as info:
-            tie.reduce_grads()
-        assert torch.equal(grad.to_local(), before)
-        with pytest.raises(RuntimeError):  # still refused until the gradient is cleared
-            tie.reduce_grads()
+        tie.reduce_grads()
+        torch.testing.assert_close(grad.full_tensor(), head_grad * 5)
+        # Scaled in place after the addition, as the schedule's scale_grads does: (5 + 1 + 1) / 5.
+        fsdp2_accumulate(weight, local)
+        grad.div_(5)
+        tie.reduce_grads()
+        torch.testing.assert_close(grad.full_tensor(), head_grad * 1.4)
         torch.optim.SGD([weight], lr=0.1).zero_grad(set_to_none=True)
         fsdp2_accumulate(weight, local * (pp + 1))
         tie.reduce_grads()
@@ -447,15 +492,8 @@ def test_dtensor_copies_are_summed_by_shard_and_fsdp2s_accumulation_onto_the_sum
             fsdp2_accumulate(weight, local)
         tie.reduce_grads()
         torch.testing.assert_close(weight.grad.full_tensor(), head_grad * 4)
-        return str(info.value)
 
-    assert set(run_threads(4, rank_main)) == {
-        "PipelineTie.reduce_grads() found a gradient accumulated onto the sum that the previous "
-        "call wrote, on a copy that FSDP2 adds into without the tie seeing it: summing again "
-        "would count the earlier backward passes twice. Call optimizer.zero_grad() after each "
-        "optimizer step, and when accumulating over several schedule steps under FSDP2, call "
-        "reduce_grads() once, after the last"
-    }
+    run_threads(4, rank_main)
 
 
 def test_float64_tied_weights_are_broadcast_and_summed_in_float64() -> None:
@@ -479,3 +517,40 @@ def test_float64_tied_weights_are_broadcast_and_summed_in_float64() -> None:
     assert not torch.equal(1.0 + small, (1.0 + small.float()).double())  # float32 would round
     assert stages[1].emb is None
     run_threads(3, rank_main)
+
+
+def test_a_stage_local_tie_beside_placeholders_of_other_stages_is_tied_on_its_stage() -> None:
+    # The first stage keeps an nn.Identity under the name of the last stage's own tied module.
+    first, last = stages_of(0, 2)
+    first.aux_emb = nn.Identity()
+    last = with_aux(last)
+
+    def rank_main(rank: int) -> str:
+        tie = PipelineTie([first, last][rank])
+        return repr(tie)
+
+    assert run_threads(2, rank_main) == [
+        "PipelineTie(names=['aux_emb', 'emb'], copies_on_this_rank={aux_emb: 0, emb: 1}, "
+        "group_size=2)",
+        "PipelineTie(names=['aux_emb', 'emb'], copies_on_this_rank={aux_emb: 1, emb: 1}, "
+        "group_size=2)",
+    ]
+
+
+def test_a_rank_outside_the_ties_group_is_told_so() -> None:
+    stages = stages_of(0, 2)
+
+    def rank_main(rank: int) -> str | None:
+        group = dist.new_group([0, 1])
+        if rank < 2:
+            PipelineTie(copy.deepcopy(stages[rank]), group)
+            return None
+        with pytest.raises(ValueError, match=r"^PipelineTie") as info:
+            PipelineTie(copy.deepcopy(stages[rank - 2]), group)
+        return str(info.value)
+
+    assert run_threads(3, rank_main)[2] == (
+        "PipelineTie was set up on global rank 2, which is not a rank of its group; set it up on "
+        "the ranks of the group only, each with the group of its own pipeline, such as "
+        'group=mesh["pp"]'
+    )

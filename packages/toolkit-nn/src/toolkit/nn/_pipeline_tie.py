@@ -43,9 +43,12 @@ class PipelineTie:
             ``mesh["pp"]``. Default: the default process group.
 
     Raises:
-        ValueError: On every rank, if a stage's TiedLinear reads a module not registered in
-            that stage, no TiedLinear is found, the copies differ in shape, two stages of a
-            rank share one weight object, or a tied module has parameters besides its weight.
+        ValueError: On every rank of ``group``, if a stage's TiedLinear reads a module not
+            registered in that stage, no TiedLinear is found, the copies differ in shape,
+            dtype or local shard shape, two stages of a rank share one weight object, a tied
+            module has parameters besides its weight, or two ranks hold the same stages (the
+            default group under data parallelism: pass the pipeline's group). On a rank
+            outside ``group``, saying so.
 
     Added in version v3.58.0.
 
@@ -74,6 +77,12 @@ class PipelineTie:
         modules = [_unwrap(m) for m in modules]
         self.group = _process_group(group)
         self._rank = dist.get_rank(self.group)
+        if self._rank < 0:
+            raise ValueError(
+                f"PipelineTie was set up on global rank {dist.get_rank()}, which is not a rank "
+                "of its group; set it up on the ranks of the group only, each with the group of "
+                'its own pipeline, such as group=mesh["pp"]'
+            )
         problem, local_names = _local_ties(modules)
         gathered = _gather((problem, local_names), self.group)
         for rank, (rank_problem, _) in enumerate(gathered):
@@ -81,33 +90,28 @@ class PipelineTie:
                 raise ValueError(f"PipelineTie refused group rank {rank}'s stages: {rank_problem}")
         self.names = tuple(sorted({n for _, names in gathered for n in names}))
         problem, layouts = _copies_problem(modules, self.names)
-        checks = _gather((problem, layouts), self.group)
+        checks = _gather((problem, layouts, _stages_key(modules)), self.group)
         if not self.names:
             raise ValueError(
                 "PipelineTie found no TiedLinear in the stages of any rank of the group; "
                 "pass the stage modules that hold the tied module and the TiedLinear head"
             )
-        for rank, (rank_problem, _) in enumerate(checks):
+        for rank, (rank_problem, _, _) in enumerate(checks):
             if rank_problem is not None:
                 raise ValueError(f"PipelineTie refused group rank {rank}'s stages: {rank_problem}")
+        _refuse_replicas(checks)
         # Every name is held somewhere: a TiedLinear reads it from a module of its own stage.
         self._holders = {
-            name: [rank for rank, (_, held) in enumerate(checks) if name in held]
+            name: [rank for rank, (_, held, _) in enumerate(checks) if name in held]
             for name in self.names
         }
         self._layouts: dict[str, _Layout] = {}
         for name, (first, *others) in self._holders.items():
             self._layouts[name] = checks[first][1][name]
             for rank in others:
-                if checks[rank][1][name].shape != self._layouts[name].shape:
-                    raise ValueError(
-                        "PipelineTie needs every copy of the tied weights to have one shape, "
-                        f"but group rank {first} has {_shapes(checks[first][1])} and group "
-                        f"rank {rank} has {_shapes(checks[rank][1])}; build every stage from "
-                        "the same model"
-                    )
+                _refuse_unlike(name, (first, checks[first][1]), (rank, checks[rank][1]))
         self._copies = {
-            name: [m.get_submodule(name) for m in modules if _has_module(m, name)]
+            name: [m.get_submodule(name) for m in modules if _holds_copy(m, name)]
             for name in self.names
         }
         # The weights held by more than one rank are summed in one all_reduce over the group.
@@ -119,7 +123,6 @@ class PipelineTie:
         weights = [_weight(c) for copies in self._copies.values() for c in copies]
         self._device = _device([*weights, *(p for m in modules for p in m.parameters())])
         self._written: dict[tuple[str, int], _Mark] = {}
-        self._flagged: dict[tuple[str, int], _Mark] = {}
         self._hooked: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
         self.broadcast()
 
@@ -158,10 +161,6 @@ class PipelineTie:
         name, index = key
         return index == 0 and self._rank == self._holders[name][0]
 
-    def _grad(self, key: tuple[str, int]) -> torch.Tensor | None:
-        name, index = key
-        return _weight(self._copies[name][index]).grad
-
     def _local_sum(self, name: str, out: torch.Tensor) -> bool:
         """Add this rank's part of ``name``'s gradient into ``out``; whether any copy had one.
 
@@ -192,28 +191,17 @@ class PipelineTie:
         all lack a gradient (frozen, or unused this step) keeps ``None`` everywhere.
 
         It may be called after each of several backward passes that accumulate into the
-        same gradients, or twice: the sum is taken once. Before a backward adds into a
+        same gradients (after each schedule step, with or without the schedule's
+        ``scale_grads``), or twice: the sum is taken once. Before a backward adds into a
         gradient this method wrote, a hook clears the gradient of every copy but the first
         stage's, which alone carries the part already summed. FSDP2 adds into the sharded
-        gradient without that hook, so there a gradient accumulated onto the written one,
-        without ``zero_grad()`` between, is refused.
-
-        Raises:
-            RuntimeError: Under FSDP2, if a copy other than the first stage's accumulated a
-                gradient onto the one the last call wrote; no gradient is changed. Where
-                several ranks hold copies, every rank of the group raises it (the check
-                travels in the sum's ``all_reduce``). Where one rank holds every copy, no
-                collective runs and only that rank raises: the others return, so the
-                training loop must stop them too, or they wait in their next collective.
+        gradient without that hook; there a hook that runs after the addition subtracts the
+        sum this method wrote, for which the tie keeps the sum of a sharded weight between
+        calls (one local shard of each tied weight).
         """
-        for key, mark in list(self._flagged.items()):
-            if not mark.unchanged(self._grad(key)):
-                del self._flagged[key]
         sizes = [math.prod(self._layouts[name].local_shape) for name in self._shared]
-        flat = torch.zeros(
-            sum(sizes) + len(self._shared) + 1, dtype=self._dtype, device=self._device
-        )
-        *parts, counts = torch.split(flat, [*sizes, len(self._shared) + 1])
+        flat = torch.zeros(sum(sizes) + len(self._shared), dtype=self._dtype, device=self._device)
+        *parts, counts = torch.split(flat, [*sizes, len(self._shared)])
         sums: dict[str, torch.Tensor] = {}
         present: dict[str, bool] = {}
         for name in self.names:
@@ -223,21 +211,12 @@ class PipelineTie:
             else:
                 sums[name] = torch.zeros(layout.local_shape, dtype=self._dtype, device=self._device)
             present[name] = self._local_sum(name, sums[name])
-        counts.copy_(torch.tensor([*(float(present[n]) for n in self._shared), len(self._flagged)]))
+        counts.copy_(counts.new_tensor([float(present[n]) for n in self._shared]))
         if self._shared:
             dist.all_reduce(flat, group=self.group)
-        *shared_counts, flagged = counts.tolist()
         present.update(
-            (name, count > 0) for name, count in zip(self._shared, shared_counts, strict=True)
+            (name, count > 0) for name, count in zip(self._shared, counts.tolist(), strict=True)
         )
-        if flagged > 0:
-            raise RuntimeError(
-                "PipelineTie.reduce_grads() found a gradient accumulated onto the sum that the "
-                "previous call wrote, on a copy that FSDP2 adds into without the tie seeing it: "
-                "summing again would count the earlier backward passes twice. Call "
-                "optimizer.zero_grad() after each optimizer step, and when accumulating over "
-                "several schedule steps under FSDP2, call reduce_grads() once, after the last"
-            )
         for name, total in sums.items():
             if not present[name]:
                 continue  # frozen, or unused this step: every copy keeps None
@@ -247,7 +226,9 @@ class PipelineTie:
                     weight.grad = _like(weight, total.to(_local(weight).dtype, copy=True))
                 else:
                     _local(weight.grad).copy_(total)
-                self._written[name, index] = _Mark(weight.grad)
+                # A sharded (FSDP2) copy keeps the sum, to take it out of a later addition.
+                kept = total if _is_dtensor(weight) else None
+                self._written[name, index] = _Mark(weight.grad, kept)
                 self._hook((name, index), weight)
 
     def _hook(self, key: tuple[str, int], weight: nn.Parameter) -> None:
@@ -273,12 +254,15 @@ class PipelineTie:
                 weight.grad.zero_()  # type: ignore[union-attr] # held by written
 
     def _after_accumulation(self, key: tuple[str, int], weight: torch.Tensor) -> None:
-        """After a gradient was added in without the hook above, as FSDP2 does."""
+        """After a gradient was added in without the hook above, as FSDP2 does.
+
+        Added onto the sum this tie wrote, not cleared since, it has that sum taken out
+        again: only the first copy keeps it.
+        """
         written = self._written.pop(key, None)
-        if written is None or not written.holds(weight.grad) or self._is_primary(key):
+        if written is None or not written.unchanged(weight.grad) or self._is_primary(key):
             return
-        if written.unchanged(weight.grad):  # not zeroed since reduce_grads() wrote it
-            self._flagged[key] = _Mark(weight.grad)  # type: ignore[arg-type] # held by written
+        _local(weight.grad).sub_(written.total)  # type: ignore[arg-type] # held by written
 
     def duplicates(self) -> Iterator[nn.Parameter]:
         """The copies not counted in a norm over the pipeline: all but the first stage's."""
@@ -471,12 +455,65 @@ def _local_ties(stages: list[nn.Module]) -> tuple[str | None, list[str]]:
     return None, names
 
 
-def _has_module(stage: nn.Module, name: str) -> bool:
+def _holds_copy(stage: nn.Module, name: str) -> bool:
+    """Whether ``stage`` holds a copy of the tied module ``name``.
+
+    A module under that name is a copy if it has parameters or a TiedLinear of the stage reads
+    it; a placeholder that other stages keep under the name, such as ``nn.Identity``, is not.
+    """
     try:
-        stage.get_submodule(name)
+        module = stage.get_submodule(name)
     except AttributeError:
         return False
-    return True
+    read = any(head.tied_module is module for _, head in _tied_linears(stage))
+    return read or any(True for _ in module.parameters())
+
+
+def _stages_key(stages: list[nn.Module]) -> list[tuple[list[str], list[str]]]:
+    """What tells a rank's stages apart: each stage's parameter names and TiedLinear paths."""
+    return [
+        (sorted(n for n, _ in stage.named_parameters()), sorted(p for p, _ in _tied_linears(stage)))
+        for stage in stages
+    ]
+
+
+def _refuse_replicas(checks: list[Any]) -> None:
+    """Refuse two ranks that hold the same stages: data-parallel replicas of one stage."""
+    seen: dict[str, int] = {}
+    for rank, (_, _, key) in enumerate(checks):
+        first = seen.setdefault(repr(key), rank)
+        if first != rank:
+            raise ValueError(
+                f"PipelineTie found the same stages on group ranks {first} and {rank}: its group "
+                "holds replicas of a stage, as the default group (the world) does under data "
+                "parallelism, and it would sum their tied gradients as the copies of different "
+                "stages. Pass the pipeline's group, one rank per stage, such as "
+                'group=mesh["pp"]'
+            )
+
+
+def _refuse_unlike(
+    name: str, first: tuple[int, dict[str, _Layout]], other: tuple[int, dict[str, _Layout]]
+) -> None:
+    """Refuse two ranks' copies of ``name`` that differ in shape, dtype or local shard."""
+    (rank0, layouts0), (rank1, layouts1) = first, other
+    for field, what, fix in (
+        ("shape", "shape", "build every stage from the same model"),
+        ("dtype", "dtype", "give every stage's copy one dtype, such as with stage.to(dtype)"),
+        (
+            "local_shape",
+            "local shard shape",
+            "shard every stage's copy alike over the same data-parallel mesh, as "
+            'fully_shard(stage, mesh=mesh["dp"]) does, and pass the pipeline\'s group, such as '
+            'group=mesh["pp"]',
+        ),
+    ):
+        if getattr(layouts0[name], field) != getattr(layouts1[name], field):
+            raise ValueError(
+                f"PipelineTie needs every copy of the tied weights to have one {what}, but "
+                f"group rank {rank0} has {_field(layouts0, field)} and group rank {rank1} has "
+                f"{_field(layouts1, field)}; {fix}"
+            )
 
 
 class _Layout(NamedTuple):
@@ -488,11 +525,12 @@ class _Layout(NamedTuple):
 
 
 class _Mark:
-    """A gradient tensor as it was when marked, without keeping it alive."""
+    """A gradient tensor as it was when marked, without keeping it alive, and its sum."""
 
-    def __init__(self, grad: torch.Tensor) -> None:
+    def __init__(self, grad: torch.Tensor, total: torch.Tensor | None = None) -> None:
         self._ref = weakref.ref(grad)
         self._version = grad._version
+        self.total = total  # the local sum written into ``grad``, where it is kept
 
     def holds(self, grad: torch.Tensor | None) -> bool:
         """Whether ``grad`` is the marked tensor, changed in place since or not."""
@@ -510,8 +548,8 @@ def _gather(obj: object, group: dist.ProcessGroup) -> list[Any]:
     return gathered
 
 
-def _shapes(layouts: dict[str, _Layout]) -> dict[str, tuple[int, ...]]:
-    return {name: layout.shape for name, layout in layouts.items()}
+def _field(layouts: dict[str, _Layout], field: str) -> dict[str, Any]:
+    return {name: getattr(layout, field) for name, layout in layouts.items()}
 
 
 def _copies_problem(
@@ -520,7 +558,7 @@ def _copies_problem(
     """The first problem with this rank's copies, and the layout of each tied weight it holds."""
     layouts: dict[str, _Layout] = {}
     for name in names:
-        copies = [stage.get_submodule(name) for stage in stages if _has_module(stage, name)]
+        copies = [stage.get_submodule(name) for stage in stages if _holds_copy(stage, name)]
         for copy in copies:
             others = sorted(n for n, _ in copy.named_parameters() if n != "weight")
             if others:
