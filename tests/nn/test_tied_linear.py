@@ -373,6 +373,113 @@ def test_a_call_uses_exactly_what_tied_module_weight_gives(change: str, when: st
         assert_same(head(x.to(weight.device)), F.linear(x.to(weight.device), weight))
 
 
+def _negated_weight(module: nn.Module) -> torch.Tensor:
+    return -module._parameters["weight"]  # type: ignore[operator]
+
+
+def _reversed_weight(module: nn.Module, name: str) -> Any:
+    value = nn.Module.__getattr__(module, name)
+    return value.flip(0) if name == "weight" else value
+
+
+def _reversed_weight_attribute(module: nn.Module, name: str) -> Any:
+    if name == "weight":
+        return _reversed_weight(module, name)
+    return object.__getattribute__(module, name)
+
+
+class _WeightProperty(nn.Embedding):
+    weight = property(_negated_weight)  # type: ignore[assignment]
+
+
+# Changes made to the classes of a module built as ``Tied(7, 3)``, ``class Tied(Base)`` and
+# ``class Base(nn.Embedding)`` (both made afresh for each test), after TiedLinear was built
+# and called: the module keeps its class, the class or a base changes.
+CLASS_CHANGES: dict[str, Callable[[type, type], None]] = {
+    "weight property on the class": lambda base, cls: setattr(
+        cls, "weight", property(_negated_weight)
+    ),
+    "weight property on a base class": lambda base, cls: setattr(
+        base, "weight", property(_negated_weight)
+    ),
+    "class attribute": lambda base, cls: setattr(cls, "weight", torch.ones(7, 3)),
+    "__getattr__ on the class": lambda base, cls: setattr(cls, "__getattr__", _reversed_weight),
+    "__getattribute__ on a base class": lambda base, cls: setattr(
+        base, "__getattribute__", _reversed_weight_attribute
+    ),
+    "__bases__ assigned": lambda base, cls: setattr(cls, "__bases__", (_WeightProperty,)),
+}
+
+
+def _fresh_classes() -> tuple[type[nn.Embedding], type[nn.Embedding]]:
+    class Base(nn.Embedding):
+        pass
+
+    class Tied(Base):
+        pass
+
+    return Base, Tied
+
+
+@pytest.mark.parametrize("change", list(CLASS_CHANGES))
+def test_a_call_follows_a_class_changed_after_building(change: str) -> None:
+    """``tied_module.weight`` on every call, even once the module's own class (or a base)
+    gains a ``weight`` property, a class attribute, ``__getattr__``, ``__getattribute__``,
+    or other bases."""
+    base, cls = _fresh_classes()
+    module = cls(7, 3)
+    head = TiedLinear(module)
+    x = torch.randn(2, 3)
+    assert torch.equal(head(x), F.linear(x, module.weight))
+    CLASS_CHANGES[change](base, cls)
+    weight = module.weight
+    assert not torch.equal(weight, module._parameters["weight"])  # the case is real
+    for _ in range(2):
+        assert_same(head(x), F.linear(x, weight))
+    for name in ("weight", "__getattr__", "__getattribute__"):  # undone, the Parameter again
+        for owner in (base, cls):
+            if name in vars(owner):
+                delattr(owner, name)
+    if change == "__bases__ assigned":
+        cls.__bases__ = (base,)
+    assert_same(head(x), F.linear(x, module._parameters["weight"]))
+
+
+def _module_in_each_state() -> Iterator[tuple[str, TiedLinear]]:
+    """A head in every state the tests above put it in, and one left unchanged."""
+    for change in CHANGES:
+        head = TiedLinear(nn.Embedding(7, 3))
+        CHANGES[change](head)
+        yield change, head
+    for change in CLASS_CHANGES:
+        base, cls = _fresh_classes()
+        head = TiedLinear(cls(7, 3))
+        CLASS_CHANGES[change](base, cls)
+        yield change, head
+    yield "unchanged", TiedLinear(nn.Embedding(7, 3))
+
+
+def test_probe_the_direct_read_is_taken_only_where_it_gives_what_the_attribute_gives() -> None:
+    """PROBE for the TiedLinear entries of tests/mutation/equivalent.toml, not a behaviour.
+
+    Those mutants send a call that would read ``_parameters["weight"]`` to
+    ``tied_module.weight`` instead. This shows the two reads return the same object in every
+    state the tests above cover, wherever the direct read is taken (and that it is taken for
+    a plain module, so the probe is not empty): the mutants are only slower.
+    """
+    from toolkit.nn._tied_linear import _resolves_weight_plainly  # noqa: PLC0415 - the probe
+
+    taken = []
+    for state, head in _module_in_each_state():
+        module = head.tied_module
+        if _resolves_weight_plainly(module, *head._lookup):
+            taken.append(state)
+            direct = module._parameters.get("weight")
+            assert direct is None or direct is module.weight, state
+    # A buffer resolves plainly too: the direct read finds no Parameter and reads the attribute.
+    assert taken == ["new parameter", "buffer", "to meta", "unchanged"]
+
+
 def test_a_weight_changed_in_place_or_through_functional_call_is_used() -> None:
     model = TiedPair(7, 3)
     idx = torch.tensor([0, 4])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -55,9 +57,9 @@ class TiedLinear:
 
     tied_module: nn.Module
     linear: nn.Module
-    # The type of ``tied_module`` when built, if it resolves ``weight`` as
-    # ``Module.__getattr__`` does (see ``_resolves_weight_plainly``); None otherwise.
-    _plain_type: type | None = None
+    # The MRO of ``tied_module``'s class when built, and each class's ``__dict__`` (live
+    # views), which ``__call__`` looks ``weight`` up in (see ``_resolves_weight_plainly``).
+    _lookup: tuple[tuple[type, ...], tuple[Mapping[str, object], ...]]
 
     def __init__(self, tied_module: nn.Module) -> None:
         try:
@@ -73,8 +75,7 @@ class TiedLinear:
         _check_weight(tied_module, weight)
         self.tied_module = tied_module
         self.linear = _Linear()
-        if _resolves_weight_plainly(type(tied_module)):
-            self._plain_type = type(tied_module)
+        self._lookup = _class_lookup(type(tied_module))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the tied linear transform.
@@ -99,13 +100,13 @@ class TiedLinear:
         # ``tied_module.weight`` falls back to the Python-level ``Module.__getattr__``, 15%
         # of a one-token call, which returns ``_parameters["weight"]`` when it is set.
         # Reading that entry directly gives the same tensor only where nothing comes before
-        # the fallback: the type TiedLinear was built with was checked for that, and the
-        # instance ``__dict__`` is checked on every call. Everything else (a buffer, a plain
+        # the fallback, which is checked on every call, as the module and its classes are
+        # then (see ``_resolves_weight_plainly``). Everything else (a buffer, a plain
         # attribute, a property, a parametrization, a module whose class changed since) is
         # read through the attribute.
         module = self.tied_module
         weight: object = None
-        if type(module) is self._plain_type and "weight" not in module.__dict__:
+        if _resolves_weight_plainly(module, *self._lookup):
             weight = module._parameters.get("weight")
         if weight is None:
             weight = module.weight
@@ -120,6 +121,16 @@ class TiedLinear:
             if explained is None:
                 raise
             raise explained from error
+
+    def __getstate__(self) -> dict[str, object]:
+        # The classes' ``__dict__`` views cannot be copied or pickled: taken again on load.
+        state = dict(self.__dict__)
+        del state["_lookup"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lookup = _class_lookup(type(self.tied_module))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -308,27 +319,42 @@ _OBJECT_GETATTRIBUTE: object = object.__getattribute__
 _MODULE_GETATTR: object = nn.Module.__getattr__
 
 
-def _resolves_weight_plainly(cls: type[nn.Module]) -> bool:
-    """Whether ``module.weight`` is ``Module.__getattr__``'s answer for instances of ``cls``.
+def _class_lookup(
+    cls: type,
+) -> tuple[tuple[type, ...], tuple[Mapping[str, object], ...]]:
+    """``cls``'s MRO and the ``__dict__`` of each class in it, as live views."""
+    return cls.__mro__, tuple(map(vars, cls.__mro__))
+
+
+def _resolves_weight_plainly(
+    module: object, mro: tuple[type, ...], dicts: tuple[Mapping[str, object], ...]
+) -> bool:
+    """Whether ``module.weight`` is, right now, ``Module.__getattr__``'s answer.
 
     ``module.weight`` looks in the type's MRO first (a property, any other descriptor or a
     class attribute named ``weight`` wins), then in the instance ``__dict__``, and only then
     calls ``__getattr__``, which ``Module`` implements by reading ``_parameters``,
     ``_buffers`` and ``_modules``. A type that overrides ``__getattribute__`` or
     ``__getattr__`` may return anything. A parametrization swaps the module's class for a
-    generated one with a ``weight`` property, so it is seen here too. The instance
-    ``__dict__`` can change at any time, so the caller checks it on every call.
-
-    TiedLinear asks once, for the type it is built with; a module whose class changes later
-    (``fully_shard``, a parametrization) is read through the attribute from then on. A class
-    that is itself changed afterwards (a ``weight`` property set on the class, say) is not
-    examined again.
+    generated one with a ``weight`` property. All of these can change after TiedLinear is
+    built (``__class__`` or ``__bases__`` assigned, ``weight`` or ``__getattr__`` set on a
+    class, ``weight`` in the instance ``__dict__``), so this is asked on every call. ``mro``
+    and ``dicts`` are the MRO TiedLinear was built with and its classes' ``__dict__``: live
+    views, looked in on every call; a module whose MRO is another (its class changed) is
+    not examined, and is read through the attribute.
     """
-    return (
-        cls.__getattribute__ is _OBJECT_GETATTRIBUTE
-        and cls.__getattr__ is _MODULE_GETATTR  # every Module class has one
-        and not any("weight" in vars(base) for base in cls.__mro__)
-    )
+    cls = type(module)
+    if not (
+        cls.__mro__ is mro
+        and cls.__getattribute__ is _OBJECT_GETATTRIBUTE
+        and cls.__getattr__ is _MODULE_GETATTR
+        and "weight" not in module.__dict__
+    ):
+        return False
+    for names in dicts:
+        if "weight" in names:
+            return False
+    return True
 
 
 def _call_weight_error(module: nn.Module, weight: object) -> Exception:
