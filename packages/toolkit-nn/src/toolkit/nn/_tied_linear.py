@@ -105,8 +105,10 @@ class TiedLinear:
         # attribute, a property, a parametrization, a module whose class changed since) is
         # read through the attribute.
         module = self.tied_module
+        mro, dicts = self._lookup
         weight: object = None
-        if _resolves_weight_plainly(module, *self._lookup):
+        # A module whose class or bases changed since is read through the attribute.
+        if type(module).__mro__ is mro and _resolves_weight_plainly(module, dicts):
             weight = module._parameters.get("weight")
         if weight is None:
             weight = module.weight
@@ -326,9 +328,7 @@ def _class_lookup(
     return cls.__mro__, tuple(map(vars, cls.__mro__))
 
 
-def _resolves_weight_plainly(
-    module: object, mro: tuple[type, ...], dicts: tuple[Mapping[str, object], ...]
-) -> bool:
+def _resolves_weight_plainly(module: nn.Module, dicts: tuple[Mapping[str, object], ...]) -> bool:
     """Whether ``module.weight`` is, right now, ``Module.__getattr__``'s answer.
 
     ``module.weight`` looks in the type's MRO first (a property, any other descriptor or a
@@ -338,20 +338,18 @@ def _resolves_weight_plainly(
     ``__getattr__`` may return anything. A parametrization swaps the module's class for a
     generated one with a ``weight`` property. All of these can change after TiedLinear is
     built (``__class__`` or ``__bases__`` assigned, ``weight`` or ``__getattr__`` set on a
-    class, ``weight`` in the instance ``__dict__``), so this is asked on every call. ``mro``
-    and ``dicts`` are the MRO TiedLinear was built with and its classes' ``__dict__``: live
-    views, looked in on every call; a module whose MRO is another (its class changed) is
-    not examined, and is read through the attribute.
+    class, ``weight`` in the instance ``__dict__``), so this is asked on every call. ``dicts``
+    are the ``__dict__`` of each class in the module's MRO, live views: the caller checks
+    that the module's MRO is still the one they were taken from.
     """
     cls = type(module)
     if not (
-        cls.__mro__ is mro
-        and cls.__getattribute__ is _OBJECT_GETATTRIBUTE
+        cls.__getattribute__ is _OBJECT_GETATTRIBUTE
         and cls.__getattr__ is _MODULE_GETATTR
         and "weight" not in module.__dict__
     ):
         return False
-    for names in dicts:
+    for names in dicts:  # noqa: SIM110 - a loop, faster than all() over a generator
         if "weight" in names:
             return False
     return True
