@@ -28,7 +28,7 @@ from torch.nn.utils import parametrize
 from tests.nn.distributed.tiny_lm import TinyLM
 from tests.nn.models import TiedPair
 from tests.strategies import DEVICES, LinearCase, linear_cases, make_tensor
-from toolkit.nn import TiedLinear
+from toolkit.nn import TiedLinear, _tied_linear
 
 # Laws -----------------------------------------------------------------------------------------
 
@@ -459,25 +459,37 @@ def _module_in_each_state() -> Iterator[tuple[str, TiedLinear]]:
     yield "unchanged", TiedLinear(nn.Embedding(7, 3))
 
 
-def test_probe_the_direct_read_is_taken_only_where_it_gives_what_the_attribute_gives() -> None:
+def _call_recording_weight(head: TiedLinear, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+    seen: list[object] = []
+    handle = head.linear.register_forward_pre_hook(lambda _, args: seen.append(args[1]))
+    try:
+        return head(x), seen[0]
+    finally:
+        handle.remove()
+
+
+def test_probe_a_call_is_the_same_with_the_direct_read_turned_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """PROBE for the TiedLinear entries of tests/mutation/equivalent.toml, not a behaviour.
 
-    Those mutants send a call that would read ``_parameters["weight"]`` to
-    ``tied_module.weight`` instead. This shows the two reads return the same object in every
-    state the tests above cover, wherever the direct read is taken (and that it is taken for
-    a plain module, so the probe is not empty): the mutants are only slower.
+    Each of those mutants turns the direct read of ``_parameters["weight"]`` off for some
+    calls, which then read ``tied_module.weight``. In every state the tests above cover,
+    a call with the direct read turned off for all calls passes ``linear`` the very same
+    weight object (where the attribute gives one object) and gives the same output, bit for
+    bit: the mutants are only slower. It kills none of them, by design.
     """
-    from toolkit.nn._tied_linear import _resolves_weight_plainly  # noqa: PLC0415 - the probe
-
-    taken = []
+    x = torch.randn(2, 3)
     for state, head in _module_in_each_state():
-        module, (mro, dicts) = head.tied_module, head._lookup
-        if type(module).__mro__ is mro and _resolves_weight_plainly(module, dicts):
-            taken.append(state)
-            direct = module._parameters.get("weight")
-            assert direct is None or direct is module.weight, state
-    # A buffer resolves plainly too: the direct read finds no Parameter and reads the attribute.
-    assert taken == ["new parameter", "buffer", "to meta", "unchanged"]
+        x_there = x.to(head.weight.device)
+        out, weight = _call_recording_weight(head, x_there)
+        with monkeypatch.context() as patch:
+            patch.setattr(_tied_linear, "_resolves_weight_plainly", lambda *_: False)
+            out_off, weight_off = _call_recording_weight(head, x_there)
+        assert_same(out, out_off)
+        module = head.tied_module
+        if module.weight is module.weight:  # not a property that makes a new tensor
+            assert weight is weight_off, state
 
 
 def test_a_weight_changed_in_place_or_through_functional_call_is_used() -> None:
