@@ -28,7 +28,7 @@ from torch.nn.utils import parametrize
 from tests.nn.distributed.tiny_lm import TinyLM
 from tests.nn.models import TiedPair
 from tests.strategies import DEVICES, LinearCase, linear_cases, make_tensor
-from toolkit.nn import TiedLinear
+from toolkit.nn import TiedLinear, _tied_linear
 
 # Laws -----------------------------------------------------------------------------------------
 
@@ -371,6 +371,125 @@ def test_a_call_uses_exactly_what_tied_module_weight_gives(change: str, when: st
         assert not torch.equal(weight, original)
     for _ in range(2):  # and again, once anything is cached
         assert_same(head(x.to(weight.device)), F.linear(x.to(weight.device), weight))
+
+
+def _negated_weight(module: nn.Module) -> torch.Tensor:
+    return -module._parameters["weight"]  # type: ignore[operator]
+
+
+def _reversed_weight(module: nn.Module, name: str) -> Any:
+    value = nn.Module.__getattr__(module, name)
+    return value.flip(0) if name == "weight" else value
+
+
+def _reversed_weight_attribute(module: nn.Module, name: str) -> Any:
+    if name == "weight":
+        return _reversed_weight(module, name)
+    return object.__getattribute__(module, name)
+
+
+class _WeightProperty(nn.Embedding):
+    weight = property(_negated_weight)  # type: ignore[assignment]
+
+
+# Changes made to the classes of a module built as ``Tied(7, 3)``, ``class Tied(Base)`` and
+# ``class Base(nn.Embedding)`` (both made afresh for each test), after TiedLinear was built
+# and called: the module keeps its class, the class or a base changes.
+CLASS_CHANGES: dict[str, Callable[[type, type], None]] = {
+    "weight property on the class": lambda base, cls: setattr(
+        cls, "weight", property(_negated_weight)
+    ),
+    "weight property on a base class": lambda base, cls: setattr(
+        base, "weight", property(_negated_weight)
+    ),
+    "class attribute": lambda base, cls: setattr(cls, "weight", torch.ones(7, 3)),
+    "__getattr__ on the class": lambda base, cls: setattr(cls, "__getattr__", _reversed_weight),
+    "__getattribute__ on a base class": lambda base, cls: setattr(
+        base, "__getattribute__", _reversed_weight_attribute
+    ),
+    "__bases__ assigned": lambda base, cls: setattr(cls, "__bases__", (_WeightProperty,)),
+}
+
+
+def _fresh_classes() -> tuple[type[nn.Embedding], type[nn.Embedding]]:
+    class Base(nn.Embedding):
+        pass
+
+    class Tied(Base):
+        pass
+
+    return Base, Tied
+
+
+@pytest.mark.parametrize("change", list(CLASS_CHANGES))
+def test_a_call_follows_a_class_changed_after_building(change: str) -> None:
+    """``tied_module.weight`` on every call, even once the module's own class (or a base)
+    gains a ``weight`` property, a class attribute, ``__getattr__``, ``__getattribute__``,
+    or other bases."""
+    base, cls = _fresh_classes()
+    module = cls(7, 3)
+    head = TiedLinear(module)
+    x = torch.randn(2, 3)
+    assert torch.equal(head(x), F.linear(x, module.weight))
+    CLASS_CHANGES[change](base, cls)
+    weight = module.weight
+    assert not torch.equal(weight, module._parameters["weight"])  # the case is real
+    for _ in range(2):
+        assert_same(head(x), F.linear(x, weight))
+    for name in ("weight", "__getattr__", "__getattribute__"):  # undone, the Parameter again
+        for owner in (base, cls):
+            if name in vars(owner):
+                delattr(owner, name)
+    if change == "__bases__ assigned":
+        cls.__bases__ = (base,)
+    assert_same(head(x), F.linear(x, module._parameters["weight"]))
+
+
+def _module_in_each_state() -> Iterator[tuple[str, TiedLinear]]:
+    """A head in every state the tests above put it in, and one left unchanged."""
+    for change, make in CHANGES.items():
+        head = TiedLinear(nn.Embedding(7, 3))
+        make(head)
+        yield change, head
+    for change, make_class in CLASS_CHANGES.items():
+        base, cls = _fresh_classes()
+        head = TiedLinear(cls(7, 3))
+        make_class(base, cls)
+        yield change, head
+    yield "unchanged", TiedLinear(nn.Embedding(7, 3))
+
+
+def _call_recording_weight(head: TiedLinear, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+    seen: list[object] = []
+    handle = head.linear.register_forward_pre_hook(lambda _, args: seen.append(args[1]))
+    try:
+        return head(x), seen[0]
+    finally:
+        handle.remove()
+
+
+def test_probe_a_call_is_the_same_with_the_direct_read_turned_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PROBE for the TiedLinear entries of tests/mutation/equivalent.toml, not a behaviour.
+
+    Each of those mutants turns the direct read of ``_parameters["weight"]`` off for some
+    calls, which then read ``tied_module.weight``. In every state the tests above cover,
+    a call with the direct read turned off for all calls passes ``linear`` the very same
+    weight object (where the attribute gives one object) and gives the same output, bit for
+    bit: the mutants are only slower. It kills none of them, by design.
+    """
+    x = torch.randn(2, 3)
+    for state, head in _module_in_each_state():
+        x_there = x.to(head.weight.device)
+        out, weight = _call_recording_weight(head, x_there)
+        with monkeypatch.context() as patch:
+            patch.setattr(_tied_linear, "_resolves_weight_plainly", lambda *_: False)
+            out_off, weight_off = _call_recording_weight(head, x_there)
+        assert_same(out, out_off)
+        module = head.tied_module
+        if module.weight is module.weight:  # not a property that makes a new tensor
+            assert weight is weight_off, state
 
 
 def test_a_weight_changed_in_place_or_through_functional_call_is_used() -> None:

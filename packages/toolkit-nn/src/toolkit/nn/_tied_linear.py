@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -55,9 +57,9 @@ class TiedLinear:
 
     tied_module: nn.Module
     linear: nn.Module
-    # The type of ``tied_module`` when built, if it resolves ``weight`` as
-    # ``Module.__getattr__`` does (see ``_resolves_weight_plainly``); None otherwise.
-    _plain_type: type | None = None
+    # The MRO of ``tied_module``'s class when built, and each class's ``__dict__`` (live
+    # views), which ``__call__`` looks ``weight`` up in (see ``_resolves_weight_plainly``).
+    _lookup: tuple[tuple[type, ...], tuple[Mapping[str, object], ...]]
 
     def __init__(self, tied_module: nn.Module) -> None:
         try:
@@ -73,8 +75,7 @@ class TiedLinear:
         _check_weight(tied_module, weight)
         self.tied_module = tied_module
         self.linear = _Linear()
-        if _resolves_weight_plainly(type(tied_module)):
-            self._plain_type = type(tied_module)
+        self._lookup = _class_lookup(type(tied_module))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the tied linear transform.
@@ -99,13 +100,15 @@ class TiedLinear:
         # ``tied_module.weight`` falls back to the Python-level ``Module.__getattr__``, 15%
         # of a one-token call, which returns ``_parameters["weight"]`` when it is set.
         # Reading that entry directly gives the same tensor only where nothing comes before
-        # the fallback: the type TiedLinear was built with was checked for that, and the
-        # instance ``__dict__`` is checked on every call. Everything else (a buffer, a plain
+        # the fallback, which is checked on every call, as the module and its classes are
+        # then (see ``_resolves_weight_plainly``). Everything else (a buffer, a plain
         # attribute, a property, a parametrization, a module whose class changed since) is
         # read through the attribute.
         module = self.tied_module
+        mro, dicts = self._lookup
         weight: object = None
-        if type(module) is self._plain_type and "weight" not in module.__dict__:
+        # A module whose class or bases changed since is read through the attribute.
+        if type(module).__mro__ is mro and _resolves_weight_plainly(module, dicts):
             weight = module._parameters.get("weight")
         if weight is None:
             weight = module.weight
@@ -120,6 +123,16 @@ class TiedLinear:
             if explained is None:
                 raise
             raise explained from error
+
+    def __getstate__(self) -> dict[str, object]:
+        # The classes' ``__dict__`` views cannot be copied or pickled: taken again on load.
+        state = dict(self.__dict__)
+        del state["_lookup"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lookup = _class_lookup(type(self.tied_module))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -308,27 +321,38 @@ _OBJECT_GETATTRIBUTE: object = object.__getattribute__
 _MODULE_GETATTR: object = nn.Module.__getattr__
 
 
-def _resolves_weight_plainly(cls: type[nn.Module]) -> bool:
-    """Whether ``module.weight`` is ``Module.__getattr__``'s answer for instances of ``cls``.
+def _class_lookup(
+    cls: type,
+) -> tuple[tuple[type, ...], tuple[Mapping[str, object], ...]]:
+    """``cls``'s MRO and the ``__dict__`` of each class in it, as live views."""
+    return cls.__mro__, tuple(map(vars, cls.__mro__))
+
+
+def _resolves_weight_plainly(module: nn.Module, dicts: tuple[Mapping[str, object], ...]) -> bool:
+    """Whether ``module.weight`` is, right now, ``Module.__getattr__``'s answer.
 
     ``module.weight`` looks in the type's MRO first (a property, any other descriptor or a
     class attribute named ``weight`` wins), then in the instance ``__dict__``, and only then
     calls ``__getattr__``, which ``Module`` implements by reading ``_parameters``,
     ``_buffers`` and ``_modules``. A type that overrides ``__getattribute__`` or
     ``__getattr__`` may return anything. A parametrization swaps the module's class for a
-    generated one with a ``weight`` property, so it is seen here too. The instance
-    ``__dict__`` can change at any time, so the caller checks it on every call.
-
-    TiedLinear asks once, for the type it is built with; a module whose class changes later
-    (``fully_shard``, a parametrization) is read through the attribute from then on. A class
-    that is itself changed afterwards (a ``weight`` property set on the class, say) is not
-    examined again.
+    generated one with a ``weight`` property. All of these can change after TiedLinear is
+    built (``__class__`` or ``__bases__`` assigned, ``weight`` or ``__getattr__`` set on a
+    class, ``weight`` in the instance ``__dict__``), so this is asked on every call. ``dicts``
+    are the ``__dict__`` of each class in the module's MRO, live views: the caller checks
+    that the module's MRO is still the one they were taken from.
     """
-    return (
+    cls = type(module)
+    if not (
         cls.__getattribute__ is _OBJECT_GETATTRIBUTE
-        and cls.__getattr__ is _MODULE_GETATTR  # every Module class has one
-        and not any("weight" in vars(base) for base in cls.__mro__)
-    )
+        and cls.__getattr__ is _MODULE_GETATTR
+        and "weight" not in module.__dict__
+    ):
+        return False
+    for names in dicts:  # noqa: SIM110 - a loop, faster than all() over a generator
+        if "weight" in names:
+            return False
+    return True
 
 
 def _call_weight_error(module: nn.Module, weight: object) -> Exception:
