@@ -100,18 +100,17 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
     modules = dict(model.named_modules())
     path = next(name for name, module in modules.items() if module is output)
     source = next(name for name, module in modules.items() if module is embedding)
+    # transformers' tie_weights() ties the head to the input embeddings of the moment, a
+    # new one after set_input_embeddings(): the model's own does the same for this head.
+    tie_weights = functools.partial(_tie_weights, model, path, hf.tie_weights)
+    # post_init() rebuilds the parallel plans from the class, which names the head.
+    init_plans = functools.partial(_init_parallel_plans, model, path, hf.init_parallel_plans)
     mappings = _untied_mappings(model, f"{path}.weight")
     head = _set_head(model, path, embedding)
     for owner, name, mapping in mappings:
         setattr(owner, name, mapping)
     _drop_from_tp_plans(model, path)
-    # transformers' tie_weights() ties the head to the input embeddings of the moment, a
-    # new one after set_input_embeddings(): the model's own does the same for this head.
-    hf.tie_weights = functools.partial(_tie_weights, model, path, hf.tie_weights)
-    # post_init() rebuilds the parallel plans from the class, which names the head.
-    hf.init_parallel_plans = functools.partial(
-        _init_parallel_plans, model, path, hf.init_parallel_plans
-    )
+    hf.tie_weights, hf.init_parallel_plans = tie_weights, init_plans
     load_head = functools.partial(_load_head_key, f"{path}.weight", f"{source}.weight")
     model.register_load_state_dict_pre_hook(load_head)  # type: ignore[no-untyped-call]
     return head
