@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from transformers import (
@@ -511,6 +511,29 @@ def test_a_head_in_a_sub_model_takes_its_prefixed_checkpoint_key() -> None:
     outer = nn.ModuleDict({"inner": model})
     with pytest.raises(ValueError, match=r"'inner\.lm\.lm_head\.weight' differs"):
         outer.load_state_dict({f"inner.{key}": value for key, value in checkpoint.items()})
+
+
+def test_from_pretrained_of_a_checkpoint_with_the_head_weight_ties_only_equal_weights(
+    tmp_path: Path,
+) -> None:
+    """Equal: loaded tied, as the stock model loads it; different: untied, so refused."""
+    stock = llama()
+    stock.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    embedding = saved["model.embed_tokens.weight"]
+    ids = tokens()
+    for head_weight in (embedding.clone(), embedding + 1):
+        save_file({**saved, "lm_head.weight": head_weight}, tmp_path / "model.safetensors")
+        model = LlamaForCausalLM.from_pretrained(tmp_path)
+        if torch.equal(head_weight, embedding):
+            head = tie_output_embeddings(model)
+            assert_tied(model, head)
+            torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
+            continue
+        with pytest.raises(ValueError, match="a checkpoint with two different weights") as info:
+            tie_output_embeddings(model)
+        assert str(info.value).endswith(AFTER_FROM_PRETRAINED)
+        assert isinstance(model.lm_head, nn.Linear)
 
 
 def test_an_embedding_with_sub_modules_of_its_own_is_tied() -> None:
