@@ -424,6 +424,10 @@ def test_an_adapter_wrapping_the_embedding_after_the_tie_is_refused_on_every_cal
         head.cross_entropy(hidden, ids)
     with pytest.raises(RuntimeError, match=ADAPTER_FIX):
         head(hidden)
+    model.tie_weights()  # ties to a new embedding, but not to a wrapper of the old one
+    assert model.get_output_embeddings() is head
+    with pytest.raises(RuntimeError, match=ADAPTER_FIX):
+        model(ids)
     # Unwrapped again (say, by merging the adapter into it), the head works as before.
     model.model.embed_tokens = embedding
     torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)

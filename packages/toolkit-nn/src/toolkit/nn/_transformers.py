@@ -212,7 +212,12 @@ def _tie_weights(
     hf: Any = model
     embedding = hf.get_input_embeddings()
     head = hf.get_output_embeddings()
-    if isinstance(head, TiedLinear) and head.tied_module is not embedding:
+    # A wrapper of the embedding (a PEFT adapter) is not tied to: the head refuses it.
+    if (
+        isinstance(head, TiedLinear)
+        and head.tied_module is not embedding
+        and not _wraps_an_embedding(embedding)
+    ):
         _set_head(model, path, embedding)
 
 
