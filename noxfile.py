@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import nox
@@ -202,6 +203,30 @@ def bench(session: nox.Session) -> None:
     ``--`` go to ``benchmarks/bench_nn.py``: ``--quick``, ``--json PATH``, ``--only SECTION``.
     """
     run_in_torch_venv(session, "python", "benchmarks/bench_nn.py", *session.posargs)
+
+
+@nox.session(python=PYTHON, default=False)
+def transformers_mixin(session: nox.Session) -> None:
+    """Run transformers' own model tests and PEFT on tied models; not a default session.
+
+    Downloads the sdist of the pinned transformers into the session's temporary folder
+    (nothing of it is kept) and runs its ``ModelTesterMixin`` on Llama, GPT-2, Qwen2 and
+    Gemma 2, stock tied against ``tie_output_embeddings`` (``tests/transformers_mixin``), and
+    the PEFT tests (``tests/nn/test_transformers_peft.py``). Its own venv holds PEFT. The
+    mixin's 1,288 tests take about 10 minutes on two busy cores.
+    """
+    install(session, "nn", groups=("transformers-mixin",))
+    tmp = Path(session.create_tmp())
+    (transformers,) = requirements("transformers")
+    pip = ("python", "-m", "pip", "download", "--no-binary", ":all:", "--no-deps")
+    session.run(*pip, "--dest", str(tmp), "-c", str(CONSTRAINTS), transformers, silent=True)
+    archive = next(tmp.glob("transformers-*.tar.gz"))
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp, filter="data")
+    tests = tmp / archive.name.removesuffix(".tar.gz") / "tests"
+    session.run("pytest", "tests/nn/test_transformers_peft.py", *session.posargs)
+    env = {"TRANSFORMERS_SDIST_TESTS": str(tests)}
+    session.run("pytest", "tests/transformers_mixin", *session.posargs, env=env)
 
 
 @nox.session(venv_backend="none")

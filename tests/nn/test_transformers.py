@@ -8,6 +8,7 @@ Whatever transformers does with its tied head must give the same result on both.
 from __future__ import annotations
 
 import copy
+import re
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from transformers import (
@@ -313,6 +314,27 @@ def _set_head(model: PreTrainedModel, head: nn.Module) -> None:
     model.lm_head = head
 
 
+AFTER_FROM_PRETRAINED = "call tie_output_embeddings after from_pretrained returns"
+ADAPTER_FIX = "leave the embedding out of the adapter's modules"
+
+
+class Adapted(nn.Module):
+    """An embedding wrapped as PEFT wraps one: the lookup adds to the rows the wrapped one
+    gives, and ``weight`` is the wrapped module's."""
+
+    def __init__(self, original: nn.Embedding) -> None:
+        super().__init__()
+        self.original_module = original
+        self.delta = nn.Parameter(torch.full((original.embedding_dim,), 0.5))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.original_module.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.original_module(ids) + self.delta
+
+
 # How each model is made wrong, and the facts its error names: the cause, then the fix last.
 REFUSED: dict[str, tuple[Callable[[LlamaForCausalLM], object], list[str]]] = {
     "untied": (
@@ -326,11 +348,15 @@ REFUSED: dict[str, tuple[Callable[[LlamaForCausalLM], object], list[str]]] = {
     ),
     "own-weight": (
         lambda m: setattr(m.lm_head, "weight", nn.Parameter(m.lm_head.weight.detach().clone())),
-        ["so the model's logits do not come from it", "save and load it tied first"],
+        ["so the model's logits do not come from it", AFTER_FROM_PRETRAINED],
     ),
     "no-weight": (
         lambda m: _set_head(m, nn.Identity()),
-        ["do not share the input embeddings", "save and load it tied first"],
+        ["do not share the input embeddings", AFTER_FROM_PRETRAINED],
+    ),
+    "adapted-embedding": (
+        lambda m: setattr(m.model, "embed_tokens", Adapted(m.model.embed_tokens)),
+        ["Adapted that wraps the embedding", "tie_output_embeddings", ADAPTER_FIX],
     ),
     "bias": (
         lambda m: setattr(m.lm_head, "bias", nn.Parameter(torch.zeros(VOCAB))),
@@ -349,7 +375,8 @@ def test_a_head_that_cannot_be_tied_is_refused_and_the_model_left_alone(name: st
     change, facts = REFUSED[name]
     change(model)
     head, keys = model.lm_head, dict(model._tied_weights_keys)
-    with pytest.raises(ValueError, match=r"^LlamaForCausalLM") as info:  # the model's class
+    error = RuntimeError if name == "adapted-embedding" else ValueError
+    with pytest.raises(error, match=r"^LlamaForCausalLM") as info:  # the model's class
         tie_output_embeddings(model)
     assert all(fact in str(info.value) for fact in facts), str(info.value)
     assert str(info.value).endswith(facts[-1])
@@ -366,6 +393,180 @@ def test_a_model_without_an_lm_head_or_not_from_transformers_is_refused() -> Non
     assert "TiedLinear(embedding)" in str(info.value)
     with pytest.raises(TypeError, match="got Tensor"):
         tie_output_embeddings(torch.ones(2))  # type: ignore[arg-type]
+
+
+class TiedInPostInit(LlamaForCausalLM):
+    def post_init(self) -> None:
+        super().post_init()
+        tie_output_embeddings(self)
+
+
+def test_tying_while_from_pretrained_builds_the_model_is_refused_with_when_to_tie(
+    tmp_path: Path,
+) -> None:
+    llama().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"^TiedInPostInit") as info:
+        TiedInPostInit.from_pretrained(tmp_path)
+    assert str(info.value).endswith(AFTER_FROM_PRETRAINED)
+
+
+def test_an_adapter_wrapping_the_embedding_after_the_tie_is_refused_on_every_call() -> None:
+    """A wrapper (as PEFT's) looks tokens up with a weight the head does not read."""
+    stock, model, head = stock_and_tied(llama)
+    embedding = model.model.embed_tokens
+    model.model.embed_tokens = Adapted(embedding)
+    ids = tokens()
+    with pytest.raises(RuntimeError, match=r"^LlamaModel's input embeddings are a Adapted") as info:
+        model(ids)
+    assert str(info.value).endswith(ADAPTER_FIX)
+    hidden = torch.randn(2, 7, 16)
+    with pytest.raises(RuntimeError, match=ADAPTER_FIX):
+        head.cross_entropy(hidden, ids)
+    with pytest.raises(RuntimeError, match=ADAPTER_FIX):
+        head(hidden)
+    model.tie_weights()  # ties to a new embedding, but not to a wrapper of the old one
+    assert model.get_output_embeddings() is head
+    with pytest.raises(RuntimeError, match=ADAPTER_FIX):
+        model(ids)
+    # Unwrapped again (say, by merging the adapter into it), the head works as before.
+    model.model.embed_tokens = embedding
+    torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
+    torch.testing.assert_close(
+        head.cross_entropy(hidden, ids),
+        stock.lm_head(hidden)
+        .flatten(0, 1)
+        .log_softmax(-1)
+        .gather(1, ids.flatten()[:, None])
+        .neg()
+        .mean(),
+    )
+
+
+def test_a_new_input_embedding_without_tie_weights_leaves_the_head_on_the_old_one(
+    build: Callable,
+) -> None:
+    """As on the stock model, whose head keeps the old weight until tie_weights()."""
+    stock, model, _ = stock_and_tied(build)
+    new = nn.Embedding(VOCAB, stock.get_input_embeddings().embedding_dim)
+    for each in (stock, model):
+        each.set_input_embeddings(copy.deepcopy(new))
+    ids = tokens()
+    torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
+
+
+def test_get_and_set_output_embeddings_round_trip(build: Callable) -> None:
+    stock, model, head = stock_and_tied(build)
+    model.set_output_embeddings(model.get_output_embeddings())
+    assert_tied(model, head)
+    ids = tokens()
+    torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_load_state_dict_takes_a_head_weight_as_the_stock_model_does(
+    build: Callable, strict: bool
+) -> None:
+    """Equal to the embedding's: dropped; alone: the embedding's; different: refused."""
+    stock, model, head = stock_and_tied(build)
+    source = next(name for name, p in model.named_parameters() if p is head.weight)
+    with torch.no_grad():
+        stock.get_input_embeddings().weight.add_(1.0)
+    ids = tokens()
+    checkpoint = stock.state_dict()  # with "lm_head.weight", equal to the embedding's
+    assert "lm_head.weight" in checkpoint
+    assert model.load_state_dict(checkpoint, strict=strict) is not None
+    assert_tied(model, head)
+    torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
+    alone = {k: v for k, v in checkpoint.items() if k != source}
+    with torch.no_grad():
+        model.get_input_embeddings().weight.zero_()
+    model.load_state_dict(alone, strict=strict)
+    assert_tied(model, head)
+    torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
+    differing = {**checkpoint, "lm_head.weight": checkpoint["lm_head.weight"] + 1}
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(
+        ValueError, match=re.escape(f"'lm_head.weight' differs from its '{source}'")
+    ) as info:
+        model.load_state_dict(differing, strict=strict)
+    assert str(info.value).endswith(
+        "load it into a model built with tie_word_embeddings=False, not tied"
+    )
+    assert type(model).__name__ in str(info.value)
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+
+
+def test_a_head_in_a_sub_model_takes_its_prefixed_checkpoint_key() -> None:
+    torch.manual_seed(0)
+    stock = Wrapped(llama().config)
+    model = copy.deepcopy(stock)
+    tie_output_embeddings(model)
+    with torch.no_grad():
+        stock.get_input_embeddings().weight.add_(1.0)
+    checkpoint = stock.state_dict()
+    assert "lm.lm_head.weight" in checkpoint
+    model.load_state_dict(checkpoint)
+    ids = tokens()
+    torch.testing.assert_close(model(ids), stock(ids), rtol=0, atol=0)
+    checkpoint["lm.lm_head.weight"] = checkpoint["lm.lm_head.weight"] + 1
+    with pytest.raises(ValueError, match=r"'lm\.lm_head\.weight' differs"):
+        model.load_state_dict(checkpoint)
+    # Loaded as part of a larger module, the keys carry its prefix.
+    outer = nn.ModuleDict({"inner": model})
+    with pytest.raises(ValueError, match=r"'inner\.lm\.lm_head\.weight' differs"):
+        outer.load_state_dict({f"inner.{key}": value for key, value in checkpoint.items()})
+
+
+def test_from_pretrained_of_a_checkpoint_with_the_head_weight_ties_only_equal_weights(
+    tmp_path: Path,
+) -> None:
+    """Equal: loaded tied, as the stock model loads it; different: untied, so refused."""
+    stock = llama()
+    stock.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    embedding = saved["model.embed_tokens.weight"]
+    ids = tokens()
+    for head_weight in (embedding.clone(), embedding + 1):
+        save_file({**saved, "lm_head.weight": head_weight}, tmp_path / "model.safetensors")
+        model = LlamaForCausalLM.from_pretrained(tmp_path)
+        if torch.equal(head_weight, embedding):
+            head = tie_output_embeddings(model)
+            assert_tied(model, head)
+            torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
+            continue
+        with pytest.raises(ValueError, match="a checkpoint with two different weights") as info:
+            tie_output_embeddings(model)
+        assert str(info.value).endswith(AFTER_FROM_PRETRAINED)
+        assert isinstance(model.lm_head, nn.Linear)
+
+
+def test_an_embedding_with_sub_modules_of_its_own_is_tied() -> None:
+    """Only an embedding that holds no weight but wraps one is refused."""
+    stock, model, _ = stock_and_tied(llama)
+    model = copy.deepcopy(stock)
+    model.model.embed_tokens.norm = nn.LayerNorm(16)  # unused here, but a weight of its own
+    head = tie_output_embeddings(model)
+    assert head.tied_module is model.model.embed_tokens
+    ids = tokens()
+    torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
+
+
+def test_the_tensor_parallel_plan_no_longer_names_the_head() -> None:
+    """transformers' plan names only modules and parameters the model has."""
+    stock, model, _ = stock_and_tied(llama)
+    assert stock.tp_plan["lm_head"] == "colwise_gather_output"
+    expected = {k: v for k, v in stock.tp_plan.items() if k != "lm_head"}
+    assert model.tp_plan == expected
+    model.post_init()  # rebuilds the plans from the class
+    assert model.tp_plan == expected
+    torch.manual_seed(0)
+    stock = Wrapped(llama().config)
+    assert "lm.lm_head" in stock.tp_plan
+    assert "lm_head" in stock.lm.tp_plan
+    model = copy.deepcopy(stock)
+    tie_output_embeddings(model)
+    assert model.tp_plan == {k: v for k, v in stock.tp_plan.items() if k != "lm.lm_head"}
+    assert model.lm.tp_plan == {k: v for k, v in stock.lm.tp_plan.items() if k != "lm_head"}
 
 
 # Under FSDP2 on two ranks: threads, and gloo processes -------------------------------------

@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from toolkit.nn._tied_linear import TiedLinear
@@ -23,8 +24,10 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
     ``post_init()``, ``tie_weights()``, the forward, ``generate()``, ``save_pretrained()`` (one
     copy of the weight, which a stock model loads), ``resize_token_embeddings()``, meta-device
     init and FSDP2 work as on the stock tied model, and ``head.cross_entropy`` takes the loss
-    without the logits. The package does not import transformers; ``model`` is any
-    ``PreTrainedModel`` with input and output embeddings. See the
+    without the logits. ``load_state_dict`` takes a stock checkpoint's ``lm_head.weight`` if it
+    equals the embedding's, and the model's tensor-parallel plan no longer names the head. Call
+    it after ``from_pretrained`` returns. The package does not import transformers; ``model``
+    is any ``PreTrainedModel`` with input and output embeddings. See the
     [Hugging Face transformers guide][hugging-face-transformers].
 
     Args:
@@ -39,6 +42,9 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
         ValueError: If ``config.tie_word_embeddings`` is False, the model has no output
             embeddings, or its head is not the bias-free, tied Linear a tied model holds.
             Nothing is changed.
+        RuntimeError: If the input embeddings wrap the embedding that holds the weight (a
+            PEFT adapter on the embedding), whose lookup the head would not follow; the head
+            raises the same on a call once such a wrapper replaces the embedding.
 
     Added in version v3.58.0.
 
@@ -79,33 +85,123 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
         if output.tied_module is embedding:
             return output
         raise ValueError(f"{kind}'s head already is {output!r}, not tied to the input embeddings")
+    if _wraps_an_embedding(embedding):
+        raise _adapted_embedding_error(kind, embedding)
     if getattr(output, "weight", None) is not embedding.weight:
         raise ValueError(
             f"{kind}'s output embeddings do not share the input embeddings' weight, so the "
-            "model's logits do not come from it (was it loaded from a checkpoint with two "
-            "different weights?); tying would change them: save and load it tied first"
+            "model's logits do not come from it and tying would change them: a model loaded "
+            "from a checkpoint with two different weights keeps its own head, and while "
+            "from_pretrained builds a model (its constructor, post_init) the two are tied only "
+            "after loading, so call tie_output_embeddings after from_pretrained returns"
         )
     if getattr(output, "bias", None) is not None:
         raise ValueError(f"{kind}'s head has a bias, which TiedLinear, bias-free, would drop")
-    names = [name for name, module in model.named_modules() if module is output]
-    mappings = _untied_mappings(model, f"{names[0]}.weight")
-    head = _set_head(model, names[0], embedding)
-    for owner, name, mapping in mappings:
-        setattr(owner, name, mapping)
+    modules = dict(model.named_modules())
+    path = next(name for name, module in modules.items() if module is output)
+    source = next(name for name, module in modules.items() if module is embedding)
     # transformers' tie_weights() ties the head to the input embeddings of the moment, a
     # new one after set_input_embeddings(): the model's own does the same for this head.
-    hf.tie_weights = functools.partial(_tie_weights, model, names[0], hf.tie_weights)
+    tie_weights = functools.partial(_tie_weights, model, path, hf.tie_weights)
+    # post_init() rebuilds the parallel plans from the class, which names the head.
+    init_plans = functools.partial(_init_parallel_plans, model, path, hf.init_parallel_plans)
+    mappings = _untied_mappings(model, f"{path}.weight")
+    head = _set_head(model, path, embedding)
+    for owner, name, mapping in mappings:
+        setattr(owner, name, mapping)
+    _drop_from_tp_plans(model, path)
+    hf.tie_weights, hf.init_parallel_plans = tie_weights, init_plans
+    load_head = functools.partial(_load_head_key, f"{path}.weight", f"{source}.weight")
+    model.register_load_state_dict_pre_hook(load_head)  # type: ignore[no-untyped-call]
     return head
+
+
+class _ModelHead(TiedLinear):
+    """The TiedLinear a model's head becomes, which checks the model's lookup on every call.
+
+    The model must still look tokens up in ``tied_module``, not in a wrapper of it (a PEFT
+    adapter, say), whose lookup would use a weight the head does not read.
+    """
+
+    def __init__(self, tied_module: nn.Module, owner: nn.Module, name: str) -> None:
+        super().__init__(tied_module)
+        self._owner = owner  # the module that holds the embedding as ``name``
+        self._name = name
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_lookup()
+        return super().__call__(x)
+
+    def cross_entropy(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # noqa: ANN401 - passed on
+        self._check_lookup()
+        return super().cross_entropy(*args, **kwargs)
+
+    def _check_lookup(self) -> None:
+        current = self._owner._modules.get(self._name)
+        if (
+            current is not self.tied_module
+            and current is not None
+            and any(module is self.tied_module for module in current.modules())
+        ):
+            raise _adapted_embedding_error(type(self._owner).__name__, current)
 
 
 def _set_head(model: nn.Module, path: str, embedding: nn.Module) -> TiedLinear:
-    """Put ``TiedLinear(embedding)`` at ``path`` in ``model``, in place of what is there."""
+    """Put a TiedLinear on ``embedding`` at ``path`` in ``model``, in place of what is there."""
     parent_name, _, attribute = path.rpartition(".")
     parent = model.get_submodule(parent_name)
-    head = TiedLinear(embedding)
+    source = next(name for name, module in model.named_modules() if module is embedding)
+    owner_name, _, name = source.rpartition(".")
+    head = _ModelHead(embedding, model.get_submodule(owner_name), name)
     delattr(parent, attribute)
     setattr(parent, attribute, head)
     return head
+
+
+def _wraps_an_embedding(embedding: nn.Module) -> bool:
+    """Whether ``embedding`` holds no weight of its own but wraps a module that does."""
+    return "weight" not in embedding._parameters and any(
+        "weight" in module._parameters for module in embedding.modules() if module is not embedding
+    )
+
+
+def _adapted_embedding_error(kind: str, embedding: nn.Module) -> RuntimeError:
+    return RuntimeError(
+        f"{kind}'s input embeddings are a {type(embedding).__name__} that wraps the embedding "
+        "the tied head reads (a PEFT adapter on the embedding, such as LoRA, trainable tokens "
+        "or modules_to_save), so the lookup and the head would not use the same weight; "
+        "train such an adapter on the stock model, without tie_output_embeddings, or leave "
+        "the embedding out of the adapter's modules"
+    )
+
+
+def _load_head_key(
+    head_key: str,
+    embedding_key: str,
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    *args: object,
+) -> None:
+    """Take a state dict's head weight as the stock tied model would, or refuse it.
+
+    A checkpoint of the stock model may hold the head's weight beside the embedding's: the
+    same values are dropped, a head weight alone becomes the embedding's, two different
+    weights raise (the tied model has one).
+    """
+    head_key, embedding_key = prefix + head_key, prefix + embedding_key
+    if head_key not in state_dict:
+        return
+    if embedding_key not in state_dict:
+        state_dict[embedding_key] = state_dict.pop(head_key)
+    elif torch.equal(state_dict[head_key], state_dict[embedding_key]):
+        del state_dict[head_key]
+    else:
+        raise ValueError(
+            f"The state dict's {head_key!r} differs from its {embedding_key!r}, but "
+            f"{type(module).__name__}'s head is tied to its input embeddings, which hold one "
+            "weight; load it into a model built with tie_word_embeddings=False, not tied"
+        )
 
 
 def _tie_weights(
@@ -116,8 +212,34 @@ def _tie_weights(
     hf: Any = model
     embedding = hf.get_input_embeddings()
     head = hf.get_output_embeddings()
-    if isinstance(head, TiedLinear) and head.tied_module is not embedding:
+    # A wrapper of the embedding (a PEFT adapter) is not tied to: the head refuses it.
+    if (
+        isinstance(head, TiedLinear)
+        and head.tied_module is not embedding
+        and not _wraps_an_embedding(embedding)
+    ):
         _set_head(model, path, embedding)
+
+
+def _init_parallel_plans(
+    model: nn.Module, path: str, init_parallel_plans: Callable[[], object]
+) -> None:
+    """Build the plans as transformers does, then drop the head, which is no module now."""
+    init_parallel_plans()
+    _drop_from_tp_plans(model, path)
+
+
+def _drop_from_tp_plans(model: nn.Module, path: str) -> None:
+    """Drop the head at ``path`` from the tensor-parallel plans of ``model`` and its sub-models.
+
+    Each sub-model on the way to the head holds a plan whose keys are relative to it.
+    """
+    for prefix, module in model.named_modules():
+        start = f"{prefix}." if prefix else ""
+        plan = getattr(module, "_tp_plan", None)
+        if path.startswith(start) and isinstance(plan, dict):
+            own = path[len(start) :]
+            module._tp_plan = {key: style for key, style in plan.items() if key != own}
 
 
 def _untied_mappings(model: nn.Module, key: str) -> list[tuple[nn.Module, str, dict[str, Any]]]:
