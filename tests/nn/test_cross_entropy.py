@@ -147,6 +147,7 @@ def test_loss_and_gradients_equal_f_cross_entropy_of_the_logits(drawn: dict[str,
 
 
 F16, F32, F64 = torch.float16, torch.float32, torch.float64
+BF16 = torch.bfloat16
 SUM = {"reduction": "sum"}
 
 
@@ -281,6 +282,43 @@ def test_a_float16_loss_scale_gives_gradients_as_exact_as_the_plain_path() -> No
         errors[name] = ((grad - exact).norm() / exact.norm()).item(), int((grad == 0).sum())
     assert errors["ours"][0] <= 2 * errors["plain"][0]
     assert errors["ours"][1] <= errors["plain"][1]
+
+
+@pytest.mark.parametrize(("dtype", "reduction"), [(F16, "mean"), (F16, "sum"), (BF16, "mean")])
+@pytest.mark.parametrize(("value", "exact"), [(18.0, -1.5235e-8), (16.0, -1.1252e-7)])
+def test_a_loss_scale_reaches_a_confident_tokens_gradient_before_16_bit_rounding(
+    dtype: torch.dtype, reduction: str, value: float, exact: float
+) -> None:
+    """One token, weight [[0], [-1]], target 0: dL/dx = -sigmoid(-x), below float16's smallest
+    subnormal at x = 18 and subnormal at 16. Under a loss scale of 65536 it is the plain
+    path's, to 0.1% in float16; bfloat16 has float32's range, so it holds it too, to its own
+    precision."""
+    x = torch.tensor([[value]], dtype=dtype)
+    weight = torch.tensor([[0.0], [-1.0]], dtype=dtype)
+    target = torch.tensor([0])
+    grads = {}
+    for name, loss_of in (("plain", _plain), ("ours", _ours)):
+        grad = _loss_and_grads(loss_of(target, reduction=reduction), x, weight, 65536.0)[1]
+        grads[name] = grad.double().item() / 65536.0
+    rel = 1e-3 if dtype == F16 else 1e-2
+    assert grads["ours"] == pytest.approx(grads["plain"], rel=rel)
+    assert grads["ours"] == pytest.approx(exact, rel=rel)
+
+
+def test_a_float16_loss_scale_leaves_no_more_zeros_in_x_gradient_than_the_plain_path() -> None:
+    """64 confident tokens (each target its largest logit), 256 classes, width 64, a loss
+    scale of 65536: x's gradient has as many exact zeros as the plain path's (10 of 4,096,
+    against 99 when rounded to float16 before the scale)."""
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 64, generator=generator) * 3.0).half()
+    weight = (torch.randn(256, 64, generator=generator) * 0.5).half()
+    target = F.linear(x.float(), weight.float()).argmax(1)
+    zeros = {}
+    for name, loss_of in (("plain", _plain(target)), ("ours", _ours(target))):
+        grad = _loss_and_grads(loss_of, x, weight, 65536.0)[1]
+        assert grad.dtype == F16
+        zeros[name] = int((grad == 0).sum())
+    assert zeros["ours"] <= zeros["plain"]
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -8,9 +8,13 @@ softmax replaces them, in place, and is turned in place into the gradient of the
 multiplied straight into the gradients of ``x`` and ``w``.
 
 For ``reduction="mean"`` and ``"sum"`` the gradients are computed in forward, for a unit
-weight per counted token, with the same matrix products as the plain path; backward only
-scales them by the incoming gradient (and ``1 / count`` for a mean), in the accumulation
-dtype, so that a float16 loss scale is applied before anything is rounded to float16. For
+weight per counted token; backward only scales them by the incoming gradient (and
+``1 / count`` for a mean), in the accumulation dtype. The weight's gradient is accumulated in
+that dtype; x's is taken with the products' dtype, but for float16, where the logits'
+gradients and the weight are taken in float32 and x's gradient is kept in float32: a
+confident token's gradient (below 6e-8) would be flushed to 0 by float16 before a loss scale
+could bring it into range. So a float16 loss scale is applied before anything is rounded to
+float16. bfloat16 has float32's range and stays in bfloat16. For
 ``reduction="none"`` each token's incoming gradient is known only in backward, which
 recomputes the chunks with it. So does a backward that builds a graph (``create_graph=True``,
 ``torch.func.grad``): it recomputes them with differentiable operations, which gives the
@@ -303,26 +307,33 @@ class _Gradients:
     """
 
     def __init__(
-        self, x: torch.Tensor, weight: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool
+        self, x: torch.Tensor, w_mm: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool
     ) -> None:
         self.inplace = not torch.is_grad_enabled()
         self.mm, self.acc = o.mm_dtype, _accumulation_dtype(o.mm_dtype)
+        # float16 flushes to 0 what is below 6e-8, such as the logit gradients of a confident
+        # token before the loss scale that would bring them into range: x's gradient is taken
+        # and kept in float32 until backward has scaled it. bfloat16 has float32's range.
+        x_dtype = self.acc if self.mm == torch.float16 else self.mm
+        self.w_x = w_mm.to(x_dtype)
         self.want_x = want_x
         self.x_buffer = (
-            torch.empty(x.shape, dtype=self.mm, device=x.device)
+            torch.empty(x.shape, dtype=x_dtype, device=x.device)
             if want_x and self.inplace
             else None
         )
         # No rows of x: with no tokens the gradient is this empty start, on x's device.
         self.x_parts: list[torch.Tensor] = [x.detach()[:0]]
-        self.weight = torch.zeros(weight.shape, dtype=self.acc, device=x.device) if want_w else None
+        self.weight = torch.zeros(w_mm.shape, dtype=self.acc, device=x.device) if want_w else None
 
-    def add(self, start: int, grad: torch.Tensor, x_c: torch.Tensor, w_mm: torch.Tensor) -> None:
+    def add(self, start: int, grad: torch.Tensor, x_c: torch.Tensor) -> None:
         """Add a chunk's share, from the gradient of its logits ``grad``."""
         if self.x_buffer is not None:
-            torch.mm(grad.to(self.mm), w_mm, out=self.x_buffer[start : start + len(grad)])
+            torch.mm(
+                grad.to(self.w_x.dtype), self.w_x, out=self.x_buffer[start : start + len(grad)]
+            )
         elif self.want_x:
-            self.x_parts.append(torch.mm(grad.to(self.mm), w_mm))
+            self.x_parts.append(torch.mm(grad.to(self.w_x.dtype), self.w_x))
         if self.weight is not None and self.inplace:
             self.weight.addmm_(grad.t(), x_c.to(self.acc))
         elif self.weight is not None:
@@ -366,7 +377,8 @@ def _chunks(
 
     ``x`` is ``(N, D)``, ``target`` ``(N,)``; ``row_weight`` ``(N,)`` is the incoming gradient
     of each token's loss, or None for one per token. The gradient of ``x`` has the products'
-    dtype (or x's, if wider, out of place), the weight's the accumulation dtype. Under grad
+    dtype (float32 for float16; or x's, if wider, out of place), the weight's the
+    accumulation dtype. Under grad
     mode every operation is out of place and differentiable, but for updates of fresh
     results; otherwise the chunk's buffers are reused in place.
     """
@@ -375,7 +387,7 @@ def _chunks(
     w_mm = weight.to(o.mm_dtype)
     keep = target != o.ignore_index
     index = torch.where(keep, target, 0).unsqueeze(1)
-    grads = _Gradients(x, weight, o, want_x=want_x, want_w=want_w)
+    grads = _Gradients(x, w_mm, o, want_x=want_x, want_w=want_w)
     buffer = None
     if grads.inplace:  # one chunk's logits, reused: their softmax and gradient replace them
         shape = (min(o.chunk_size, num_tokens), vocab)
@@ -399,7 +411,7 @@ def _chunks(
         if row_weight is not None:
             factor = row_weight[start:stop].unsqueeze(1)
             grad = grad.mul_(factor) if grads.inplace else grad * factor
-        grads.add(start, grad, x_c, w_mm)
+        grads.add(start, grad, x_c)
     loss = torch.cat(losses) if losses else x.new_zeros((0,), dtype=acc)
     grad_x = grads.x()
     if o.shard is not None and grad_x is not None:
