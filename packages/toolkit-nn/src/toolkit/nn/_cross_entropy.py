@@ -615,6 +615,30 @@ def _scale_saved(
     )
 
 
+def _check_same_targets(target: torch.Tensor, shard: VocabShard) -> None:
+    """Raise, on every rank of the shard's group, unless all have the same targets.
+
+    The per-token statistics of the ranks are summed: a rank with other tokens (under sequence
+    parallelism, its own slice) would mix them silently. One all-reduce of the number of
+    tokens and a position-weighted checksum of the targets, whose maximum and minimum over the
+    group agree only if every rank has the same.
+    """
+    flat = target.reshape(-1)
+    positions = torch.arange(1, flat.numel() + 1, device=flat.device)
+    mine = torch.stack([positions.new_tensor(flat.numel()), (flat * positions).sum()])
+    # The maximum of -v is minus the minimum of v.
+    spread = _all_reduce(torch.cat([mine, -mine]), shard, torch.distributed.ReduceOp.MAX)
+    if not torch.equal(spread[:2], -spread[2:]):
+        raise ValueError(
+            f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same tokens "
+            f"and targets on every rank of the tensor-parallel group, but the ranks' targets "
+            f"differ (this rank has {flat.numel()} tokens): each rank's rows of the vocabulary "
+            "give a part of every token's statistics, which are summed across ranks. Under "
+            "sequence parallelism pass the hidden states as a DTensor sharded on the sequence "
+            "(Shard(1), as TiedLinearParallel's input) and the whole targets on every rank."
+        )
+
+
 def linear_cross_entropy(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -642,8 +666,12 @@ def linear_cross_entropy(
     _check_arguments(x, weight, target, reduction, label_smoothing, z_loss, softcap, chunk_size)
     mm = _product_dtype(x, weight)
     target = target.long()
+    if shard is not None:
+        _check_same_targets(target, shard)
+    # From the whole vocabulary, so that every rank of a shard takes the same chunks and its
+    # all-reduces have the same sizes, whatever rows it has.
     chunk = chunk_size or default_chunk_size(
-        target.numel(), weight.shape[0], _accumulation_dtype(mm)
+        target.numel(), weight.shape[0] if shard is None else shard.vocab, _accumulation_dtype(mm)
     )
     o = _Options(
         ignore_index,
