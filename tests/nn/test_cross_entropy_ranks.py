@@ -285,6 +285,8 @@ def test_rank_local_tokens_on_a_vocabulary_shard_are_refused_on_every_rank() -> 
     for by_values, by_counts, grad in run_threads(2, rank_main):
         assert grad is not None
         for message in (by_values, by_counts):
+            assert message.startswith("TiedLinear.cross_entropy on a vocabulary-sharded weight")
+            assert message.endswith("and the whole targets on every rank.")
             assert "same tokens and targets on every rank" in message
             assert "DTensor sharded on the sequence (Shard(1)" in message
         assert "this rank has 4 tokens" in by_values

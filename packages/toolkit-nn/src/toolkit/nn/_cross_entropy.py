@@ -619,24 +619,25 @@ def _check_same_targets(target: torch.Tensor, shard: VocabShard) -> None:
     """Raise, on every rank of the shard's group, unless all have the same targets.
 
     The per-token statistics of the ranks are summed: a rank with other tokens (under sequence
-    parallelism, its own slice) would mix them silently. One all-reduce of the number of
-    tokens and a position-weighted checksum of the targets, whose maximum and minimum over the
-    group agree only if every rank has the same.
+    parallelism, its own slice) would mix them silently. The maximum of ``v`` and of ``-v``
+    over the group agree only if every rank has the same ``v``: first the number of tokens,
+    so that the second all-reduce has one size on every rank, then the targets, which are
+    smaller than the per-token statistics the loss exchanges.
     """
     flat = target.reshape(-1)
-    positions = torch.arange(1, flat.numel() + 1, device=flat.device)
-    mine = torch.stack([positions.new_tensor(flat.numel()), (flat * positions).sum()])
-    # The maximum of -v is minus the minimum of v.
-    spread = _all_reduce(torch.cat([mine, -mine]), shard, torch.distributed.ReduceOp.MAX)
-    if not torch.equal(spread[:2], -spread[2:]):
-        raise ValueError(
-            f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same tokens "
-            f"and targets on every rank of the tensor-parallel group, but the ranks' targets "
-            f"differ (this rank has {flat.numel()} tokens): each rank's rows of the vocabulary "
-            "give a part of every token's statistics, which are summed across ranks. Under "
-            "sequence parallelism pass the hidden states as a DTensor sharded on the sequence "
-            "(Shard(1), as TiedLinearParallel's input) and the whole targets on every rank."
-        )
+    count = flat.new_tensor([flat.numel()])
+    for mine in (count, flat):
+        spread = _all_reduce(torch.cat([mine, -mine]), shard, torch.distributed.ReduceOp.MAX)
+        if not torch.equal(spread[: len(mine)], -spread[len(mine) :]):
+            raise ValueError(
+                f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same tokens "
+                f"and targets on every rank of the tensor-parallel group, but the ranks' "
+                f"targets differ (this rank has {flat.numel()} tokens): each rank's rows of "
+                "the vocabulary give a part of every token's statistics, which are summed "
+                "across ranks. Under sequence parallelism pass the hidden states as a DTensor "
+                "sharded on the sequence (Shard(1), as TiedLinearParallel's input) and the "
+                "whole targets on every rank."
+            )
 
 
 def linear_cross_entropy(
