@@ -367,6 +367,45 @@ def test_torch_func_grad_jacrev_and_vmap_match_the_plain_path() -> None:
     torch.testing.assert_close(transformed(_ours), transformed(_plain), equal_nan=True)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize(("tokens", "batched"), [(6, "x"), (0, "x"), (6, "weight")])
+def test_vmap_then_a_plain_backward_gives_the_plain_paths_gradients(
+    reduction: str, tokens: int, batched: str
+) -> None:
+    """x or the weight batched, both needing gradients: each entry's loss, then one backward
+    through them all, outside any transform."""
+    x, weight = torch.randn(2, tokens, 4, dtype=F64), torch.randn(5, 4, dtype=F64)
+    if batched == "weight":
+        weight = torch.randn(2, 5, 4, dtype=F64)
+    target = torch.randint(0, 5, (2, tokens))
+
+    def grads(make: Callable[..., Loss]) -> list[Tensor]:
+        leaves = _leaves(x, weight)
+        if batched == "x":
+            losses = torch.func.vmap(lambda x, t: make(t, reduction=reduction)(x, leaves[1]))(
+                leaves[0], target
+            )
+        else:
+            losses = torch.func.vmap(lambda w, t: make(t, reduction=reduction)(leaves[0][0], w))(
+                leaves[1], target
+            )
+        losses.sum().backward()
+        return [losses.detach(), leaves[0].grad, leaves[1].grad]  # type: ignore[list-item]
+
+    torch.testing.assert_close(grads(_ours), grads(_plain), equal_nan=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_the_gradients_returned_are_not_part_of_a_graph(reduction: str) -> None:
+    """Without create_graph the gradients are plain tensors, as the plain path's are."""
+    x, weight, target = _inputs(7, 5, 3)
+    leaves = _leaves(x, weight)
+    loss = _ours(target, reduction=reduction, chunk_size=3)(*leaves)
+    grads = torch.autograd.grad(loss.sum(), leaves)
+    assert [g.requires_grad for g in grads] == [False, False]
+    assert [g.grad_fn for g in grads] == [None, None]
+
+
 def _dual(f: Callable[[Tensor], Tensor], primal: Tensor) -> object:
     with forward_ad.dual_level():
         return f(forward_ad.make_dual(primal, torch.ones_like(primal)))
@@ -589,6 +628,8 @@ def test_a_chunk_holds_one_logits_sized_tensor_and_only_the_gradients_needed(
         with _Allocations(4 * 50) as mode:
             loss.sum().backward()
         assert mode.peak == (0 if saved else peak)
+        if saved:  # the gradients are scaled in place: no zero-filled stand-ins for them
+            assert not {(12, 2), (50, 2)} & set(mode.shapes)
 
 
 @pytest.mark.parametrize(

@@ -452,7 +452,7 @@ class _Context(FunctionCtx):
     x_shape: torch.Size
     x_dtype: torch.dtype
     weight_dtype: torch.dtype
-    saved_grads: bool
+    saved: tuple[bool, bool]
     used: bool
 
 
@@ -486,12 +486,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             want_x=want_x and save,
             want_w=want_w and save,
         )
-        # Outputs must be tensors, and distinct ones: an empty one stands for a gradient not
-        # computed.
+        # Outputs must be tensors, and distinct ones: a 0-d one stands for a gradient not
+        # computed, which backward never reads.
         return (
             _reduce(rows, target, o),
-            x.new_empty((0,)) if grad_x is None else grad_x,
-            x.new_empty((0,)) if grad_w is None else grad_w,
+            x.new_empty(()) if grad_x is None else grad_x,
+            x.new_empty(()) if grad_w is None else grad_w,
         )
 
     @staticmethod
@@ -507,7 +507,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(x, weight, target, grad_x, grad_w)
         ctx.options = o
         ctx.x_shape, ctx.x_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
-        ctx.saved_grads = o.reduction != "none" and (want_x or want_w)
+        save = o.reduction != "none"
+        # What forward computed: under torch.func.vmap an input can need a gradient that the
+        # batched tensor did not say it needs.
+        ctx.saved = (save and want_x, save and want_w)
         ctx.used = False
 
     @staticmethod
@@ -516,10 +519,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         o = ctx.options
         needs_x, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if ctx.saved_grads and not torch.is_grad_enabled():
+        saved_x, saved_w = ctx.saved
+        every_one_saved = (saved_x or not needs_x) and (saved_w or not needs_w)
+        if every_one_saved and not torch.is_grad_enabled():
             return _scale_saved(ctx, grad_loss, needs_x, needs_w)
         # Recompute: each token's incoming gradient is known only now (reduction "none"),
-        # or the gradients must themselves be differentiable (create_graph, torch.func).
+        # the gradients must themselves be differentiable (create_graph, torch.func), or
+        # forward did not compute one that is needed (under torch.func.vmap).
         if o.shard is not None and torch.is_grad_enabled():
             raise RuntimeError(
                 "TiedLinear.cross_entropy on a vocabulary-sharded weight does not support a "
