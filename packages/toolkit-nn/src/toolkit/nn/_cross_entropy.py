@@ -662,7 +662,9 @@ def linear_cross_entropy(
     """``F.cross_entropy`` of ``F.linear(x, weight)``, plus the z-loss, without the logits.
 
     With ``shard``, ``weight`` is this rank's rows of the vocabulary and the loss and x's
-    gradient are those of the whole vocabulary, reduced over the shard's group.
+    gradient are those of the whole vocabulary, reduced over the shard's group; every rank
+    must have the same targets (compared first, a ``ValueError`` on every rank otherwise),
+    and the default chunk comes from the whole vocabulary.
 
     The logits are widened to float32 from bfloat16 and float16, and soft-capped. The loss
     has the accumulation dtype: float32 when the products run in bfloat16 or float16,
