@@ -12,6 +12,9 @@ forward and backward, in float32, where ``w`` is a tied embedding's weight:
 - ``plain_capped``: the plain path with a soft-cap and a z-loss,
   ``F.cross_entropy(c, t) + Z * logsumexp(c) ** 2`` (mean) with ``c = S * tanh(logits / S)``;
 - ``toolkit_capped``: ``head.cross_entropy(h, t, z_loss=Z, softcap=S)``, the same loss;
+- ``plain_fp16`` and ``toolkit_fp16``, on request: the plain path (logits widened to float32,
+  as autocast's ``F.cross_entropy`` does) and ``head.cross_entropy(h, t)``, both on a float16
+  weight and input, with the loss scaled by 65536 as ``GradScaler`` does;
 - ``tp_loss_parallel`` and ``tp_toolkit``: on 2 gloo ranks with the weight sharded on the
   vocabulary, ``loss_parallel()`` over the sharded logits and ``head.cross_entropy`` on the
   shard (``cross_entropy_parallel.py``).
@@ -64,6 +67,9 @@ VARIANTS = (
 # Fixed chunks around the default rule (524 tokens at a 32,000 vocabulary in float32), on
 # request (--variants).
 CHUNK_VARIANTS = ("toolkit_chunk_256", "toolkit_chunk_512", "toolkit_chunk_1024")
+# float16 with a loss scale, on request (--variants): float16 products are slow on the CPU.
+FP16_VARIANTS = ("plain_fp16", "toolkit_fp16")
+LOSS_SCALE = 65536.0
 # The z-loss weight and soft-cap of the capped variants (PaLM's 1e-4, Gemma 2's 30).
 Z_LOSS, SOFTCAP = 1e-4, 30.0
 # (tokens, hidden, vocabulary): the issue's shape. A larger one, 8192,512,65536 (float32
@@ -92,6 +98,10 @@ def _step(variant: str, head: TiedLinear, h: torch.Tensor, t: torch.Tensor) -> N
         loss = F.cross_entropy(capped, t) + Z_LOSS * z
     elif variant == "toolkit_capped":
         loss = head.cross_entropy(h, t, z_loss=Z_LOSS, softcap=SOFTCAP)
+    elif variant == "plain_fp16":
+        loss = F.cross_entropy(head(h).float(), t) * LOSS_SCALE
+    elif variant == "toolkit_fp16":
+        loss = head.cross_entropy(h, t) * LOSS_SCALE
     elif variant.startswith("toolkit_chunk_"):
         loss = head.cross_entropy(h, t, chunk_size=int(variant.removeprefix("toolkit_chunk_")))
     else:
@@ -100,18 +110,21 @@ def _step(variant: str, head: TiedLinear, h: torch.Tensor, t: torch.Tensor) -> N
 
 
 def _inputs(
-    tokens: int, hidden: int, vocab: int
+    tokens: int, hidden: int, vocab: int, dtype: torch.dtype = torch.float32
 ) -> tuple[nn.Embedding, TiedLinear, torch.Tensor, torch.Tensor]:
     embedding, h, t = cross_entropy_parallel.inputs(tokens, hidden, vocab)
+    embedding.to(dtype)
+    h = h.detach().to(dtype).requires_grad_()
     return embedding, TiedLinear(embedding), h, t
 
 
 def measure(variant: str, shape: tuple[int, int, int], steps: int) -> dict[str, float]:
     """In this process: warm up, then time ``steps`` steps and take the peak over baseline."""
-    _, head, h, t = _inputs(*WARMUP_SHAPE)
+    dtype = torch.float16 if variant.endswith("_fp16") else torch.float32
+    _, head, h, t = _inputs(*WARMUP_SHAPE, dtype)
     for _ in range(2):
         _step(variant, head, h, t)
-    embedding, head, h, t = _inputs(*shape)
+    embedding, head, h, t = _inputs(*shape, dtype)
     del _
     gc.collect()
     clear_refs = Path("/proc/self/clear_refs")
@@ -144,6 +157,8 @@ def _reference(variant: str) -> str:
     """The variant whose time and memory ``variant``'s ratios are taken against."""
     if variant == "toolkit_capped":
         return "plain_capped"
+    if variant == "toolkit_fp16":
+        return "plain_fp16"
     if variant in cross_entropy_parallel.VARIANTS:
         return "tp_loss_parallel"
     return "plain"

@@ -147,6 +147,7 @@ def test_loss_and_gradients_equal_f_cross_entropy_of_the_logits(drawn: dict[str,
 
 
 F16, F32, F64 = torch.float16, torch.float32, torch.float64
+BF16 = torch.bfloat16
 SUM = {"reduction": "sum"}
 
 
@@ -283,6 +284,43 @@ def test_a_float16_loss_scale_gives_gradients_as_exact_as_the_plain_path() -> No
     assert errors["ours"][1] <= errors["plain"][1]
 
 
+@pytest.mark.parametrize(("dtype", "reduction"), [(F16, "mean"), (F16, "sum"), (BF16, "mean")])
+@pytest.mark.parametrize(("value", "exact"), [(18.0, -1.5235e-8), (16.0, -1.1252e-7)])
+def test_a_loss_scale_reaches_a_confident_tokens_gradient_before_16_bit_rounding(
+    dtype: torch.dtype, reduction: str, value: float, exact: float
+) -> None:
+    """One token, weight [[0], [-1]], target 0: dL/dx = -sigmoid(-x), below float16's smallest
+    subnormal at x = 18 and subnormal at 16. Under a loss scale of 65536 it is the plain
+    path's, to 0.1% in float16; bfloat16 has float32's range, so it holds it too, to its own
+    precision."""
+    x = torch.tensor([[value]], dtype=dtype)
+    weight = torch.tensor([[0.0], [-1.0]], dtype=dtype)
+    target = torch.tensor([0])
+    grads = {}
+    for name, loss_of in (("plain", _plain), ("ours", _ours)):
+        grad = _loss_and_grads(loss_of(target, reduction=reduction), x, weight, 65536.0)[1]
+        grads[name] = grad.double().item() / 65536.0
+    rel = 1e-3 if dtype == F16 else 1e-2
+    assert grads["ours"] == pytest.approx(grads["plain"], rel=rel)
+    assert grads["ours"] == pytest.approx(exact, rel=rel)
+
+
+def test_a_float16_loss_scale_leaves_no_more_zeros_in_x_gradient_than_the_plain_path() -> None:
+    """64 confident tokens (each target its largest logit), 256 classes, width 64, a loss
+    scale of 65536: x's gradient has as many exact zeros as the plain path's (10 of 4,096,
+    against 99 when rounded to float16 before the scale)."""
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 64, generator=generator) * 3.0).half()
+    weight = (torch.randn(256, 64, generator=generator) * 0.5).half()
+    target = F.linear(x.float(), weight.float()).argmax(1)
+    zeros = {}
+    for name, loss_of in (("plain", _plain(target)), ("ours", _ours(target))):
+        grad = _loss_and_grads(loss_of, x, weight, 65536.0)[1]
+        assert grad.dtype == F16
+        zeros[name] = int((grad == 0).sum())
+    assert zeros["ours"] <= zeros["plain"]
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("extra", [{}, {"z_loss": 0.1, "softcap": 1.5}])
 def test_create_graph_gives_the_second_order_gradients_of_the_plain_path(
@@ -327,6 +365,45 @@ def test_torch_func_grad_jacrev_and_vmap_match_the_plain_path() -> None:
         ]
 
     torch.testing.assert_close(transformed(_ours), transformed(_plain), equal_nan=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize(("tokens", "batched"), [(6, "x"), (0, "x"), (6, "weight")])
+def test_vmap_then_a_plain_backward_gives_the_plain_paths_gradients(
+    reduction: str, tokens: int, batched: str
+) -> None:
+    """x or the weight batched, both needing gradients: each entry's loss, then one backward
+    through them all, outside any transform."""
+    x, weight = torch.randn(2, tokens, 4, dtype=F64), torch.randn(5, 4, dtype=F64)
+    if batched == "weight":
+        weight = torch.randn(2, 5, 4, dtype=F64)
+    target = torch.randint(0, 5, (2, tokens))
+
+    def grads(make: Callable[..., Loss]) -> list[Tensor]:
+        leaves = _leaves(x, weight)
+        if batched == "x":
+            losses = torch.func.vmap(lambda x, t: make(t, reduction=reduction)(x, leaves[1]))(
+                leaves[0], target
+            )
+        else:
+            losses = torch.func.vmap(lambda w, t: make(t, reduction=reduction)(leaves[0][0], w))(
+                leaves[1], target
+            )
+        losses.sum().backward()
+        return [losses.detach(), leaves[0].grad, leaves[1].grad]  # type: ignore[list-item]
+
+    torch.testing.assert_close(grads(_ours), grads(_plain), equal_nan=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_the_gradients_returned_are_not_part_of_a_graph(reduction: str) -> None:
+    """Without create_graph the gradients are plain tensors, as the plain path's are."""
+    x, weight, target = _inputs(7, 5, 3)
+    leaves = _leaves(x, weight)
+    loss = _ours(target, reduction=reduction, chunk_size=3)(*leaves)
+    grads = torch.autograd.grad(loss.sum(), leaves)
+    assert [g.requires_grad for g in grads] == [False, False]
+    assert [g.grad_fn for g in grads] == [None, None]
 
 
 def _dual(f: Callable[[Tensor], Tensor], primal: Tensor) -> object:
@@ -551,6 +628,8 @@ def test_a_chunk_holds_one_logits_sized_tensor_and_only_the_gradients_needed(
         with _Allocations(4 * 50) as mode:
             loss.sum().backward()
         assert mode.peak == (0 if saved else peak)
+        if saved:  # the gradients are scaled in place: no zero-filled stand-ins for them
+            assert not {(12, 2), (50, 2)} & set(mode.shapes)
 
 
 @pytest.mark.parametrize(

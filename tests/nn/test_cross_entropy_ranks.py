@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
@@ -227,3 +227,66 @@ def test_under_fsdp2_it_trains_as_one_process_inside_a_forward(where: str) -> No
             torch.testing.assert_close(state[key], value, msg=key)
     means = [(a + b) / 2 for a, b in zip(results[0][1], results[1][1], strict=True)]
     torch.testing.assert_close(means, expected)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_a_replicated_weight_gives_the_loss_and_gradients_of_one_process(
+    mesh_shape: tuple[int, ...],
+) -> None:
+    """A weight replicated on every mesh dimension is whole on every rank: the loss is that of
+    its local tensor, and the weight's gradient a DTensor with the same placements. Replicated
+    on one dimension and sharded on another, it is refused on every rank with the fix."""
+    weight, x, target, _ = _case(17, 2)
+    expected = _reference(weight, x, target, torch.ones(()), label_smoothing=0.1)
+    world = len(mesh_shape) * 2
+
+    def rank_main(rank: int) -> tuple[list[Tensor], tuple[Any, ...], str]:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        emb = nn.Embedding(17, DIM, _weight=weight.clone())
+        emb.weight = nn.Parameter(distribute_tensor(weight, mesh, [Replicate()] * len(mesh_shape)))
+        leaf = x.clone().requires_grad_()
+        TiedLinear(emb).cross_entropy(leaf, target, label_smoothing=0.1).backward()
+        grad = emb.weight.grad
+        assert isinstance(grad, DTensor)
+        message = ""
+        if len(mesh_shape) == 2:
+            emb.weight = nn.Parameter(distribute_tensor(weight, mesh, [Replicate(), Shard(0)]))
+            with pytest.raises(RuntimeError) as info:
+                TiedLinear(emb).cross_entropy(leaf, target)
+            message = str(info.value)
+        return [leaf.grad, grad.to_local()], tuple(grad.placements), message  # type: ignore[list-item]
+
+    for grads, placements, message in run_threads(world, rank_main):
+        torch.testing.assert_close(grads, expected[1:])
+        assert placements == (Replicate(),) * len(mesh_shape)
+        if len(mesh_shape) == 2:
+            assert "(Replicate(), Shard(dim=0))" in message
+            assert "Replicate()), or the vocabulary sharded" in message
+
+
+def test_rank_local_tokens_on_a_vocabulary_shard_are_refused_on_every_rank() -> None:
+    """Under sequence parallelism each rank's slice of the hidden states with its slice of the
+    targets would mix different tokens' statistics: refused on every rank, naming the fix,
+    before any gradient is computed. Ranks with the same tokens are taken."""
+    weight, x, target, _ = _case(17, 2)
+
+    def rank_main(rank: int) -> tuple[str, str, Any]:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        messages = []
+        for tokens in (slice(rank * 2, rank * 2 + 2), slice(0, 2 + rank)):  # values, counts
+            leaf = x[:, tokens].clone().requires_grad_()
+            with pytest.raises(ValueError, match="every rank") as info:
+                head.cross_entropy(leaf, target[:, tokens])
+            assert leaf.grad is None
+            messages.append(str(info.value))
+        head.cross_entropy(x, target).backward()  # the same tokens: taken
+        return messages[0], messages[1], head.tied_module.weight.grad
+
+    for by_values, by_counts, grad in run_threads(2, rank_main):
+        assert grad is not None
+        for message in (by_values, by_counts):
+            assert message.startswith("TiedLinear.cross_entropy on a vocabulary-sharded weight")
+            assert message.endswith("and the whole targets on every rank.")
+            assert "same tokens and targets on every rank" in message
+            assert "DTensor sharded on the sequence (Shard(1)" in message
+        assert "this rank has 4 tokens" in by_values

@@ -183,7 +183,8 @@ def test_a_weight_sharded_on_its_width_gives_logits_in_flight_but_no_chunked_los
         assert message == (  # the one golden message
             "TiedLinear.cross_entropy cannot use the weight of the tied module "
             "Embedding(17, 8): it is a DTensor with placements (Shard(dim=1),), and the "
-            "chunked loss needs the whole vocabulary on every rank, or the vocabulary sharded "
+            "chunked loss needs the whole weight on every rank (a plain tensor, or a DTensor "
+            "replicated on every mesh dimension, Replicate()), or the vocabulary sharded "
             "by tensor parallelism on a 1-D mesh (Shard(0)). Under FSDP2, call cross_entropy "
             "inside the forward of the unit that holds the tied module, or register the method "
             "that calls it with torch.distributed.fsdp.register_fsdp_forward_method(model, "

@@ -8,9 +8,13 @@ softmax replaces them, in place, and is turned in place into the gradient of the
 multiplied straight into the gradients of ``x`` and ``w``.
 
 For ``reduction="mean"`` and ``"sum"`` the gradients are computed in forward, for a unit
-weight per counted token, with the same matrix products as the plain path; backward only
-scales them by the incoming gradient (and ``1 / count`` for a mean), in the accumulation
-dtype, so that a float16 loss scale is applied before anything is rounded to float16. For
+weight per counted token; backward only scales them by the incoming gradient (and
+``1 / count`` for a mean), in the accumulation dtype. The weight's gradient is accumulated in
+that dtype; x's is taken with the products' dtype, but for float16, where the logits'
+gradients and the weight are taken in float32 and x's gradient is kept in float32: a
+confident token's gradient (below 6e-8) would be flushed to 0 by float16 before a loss scale
+could bring it into range. So a float16 loss scale is applied before anything is rounded to
+float16. bfloat16 has float32's range and stays in bfloat16. For
 ``reduction="none"`` each token's incoming gradient is known only in backward, which
 recomputes the chunks with it. So does a backward that builds a graph (``create_graph=True``,
 ``torch.func.grad``): it recomputes them with differentiable operations, which gives the
@@ -303,26 +307,33 @@ class _Gradients:
     """
 
     def __init__(
-        self, x: torch.Tensor, weight: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool
+        self, x: torch.Tensor, w_mm: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool
     ) -> None:
         self.inplace = not torch.is_grad_enabled()
         self.mm, self.acc = o.mm_dtype, _accumulation_dtype(o.mm_dtype)
+        # float16 flushes to 0 what is below 6e-8, such as the logit gradients of a confident
+        # token before the loss scale that would bring them into range: x's gradient is taken
+        # and kept in float32 until backward has scaled it. bfloat16 has float32's range.
+        x_dtype = self.acc if self.mm == torch.float16 else self.mm
+        self.w_x = w_mm.to(x_dtype)
         self.want_x = want_x
         self.x_buffer = (
-            torch.empty(x.shape, dtype=self.mm, device=x.device)
+            torch.empty(x.shape, dtype=x_dtype, device=x.device)
             if want_x and self.inplace
             else None
         )
         # No rows of x: with no tokens the gradient is this empty start, on x's device.
         self.x_parts: list[torch.Tensor] = [x.detach()[:0]]
-        self.weight = torch.zeros(weight.shape, dtype=self.acc, device=x.device) if want_w else None
+        self.weight = torch.zeros(w_mm.shape, dtype=self.acc, device=x.device) if want_w else None
 
-    def add(self, start: int, grad: torch.Tensor, x_c: torch.Tensor, w_mm: torch.Tensor) -> None:
+    def add(self, start: int, grad: torch.Tensor, x_c: torch.Tensor) -> None:
         """Add a chunk's share, from the gradient of its logits ``grad``."""
         if self.x_buffer is not None:
-            torch.mm(grad.to(self.mm), w_mm, out=self.x_buffer[start : start + len(grad)])
+            torch.mm(
+                grad.to(self.w_x.dtype), self.w_x, out=self.x_buffer[start : start + len(grad)]
+            )
         elif self.want_x:
-            self.x_parts.append(torch.mm(grad.to(self.mm), w_mm))
+            self.x_parts.append(torch.mm(grad.to(self.w_x.dtype), self.w_x))
         if self.weight is not None and self.inplace:
             self.weight.addmm_(grad.t(), x_c.to(self.acc))
         elif self.weight is not None:
@@ -366,7 +377,8 @@ def _chunks(
 
     ``x`` is ``(N, D)``, ``target`` ``(N,)``; ``row_weight`` ``(N,)`` is the incoming gradient
     of each token's loss, or None for one per token. The gradient of ``x`` has the products'
-    dtype (or x's, if wider, out of place), the weight's the accumulation dtype. Under grad
+    dtype (float32 for float16; or x's, if wider, out of place), the weight's the
+    accumulation dtype. Under grad
     mode every operation is out of place and differentiable, but for updates of fresh
     results; otherwise the chunk's buffers are reused in place.
     """
@@ -375,7 +387,7 @@ def _chunks(
     w_mm = weight.to(o.mm_dtype)
     keep = target != o.ignore_index
     index = torch.where(keep, target, 0).unsqueeze(1)
-    grads = _Gradients(x, weight, o, want_x=want_x, want_w=want_w)
+    grads = _Gradients(x, w_mm, o, want_x=want_x, want_w=want_w)
     buffer = None
     if grads.inplace:  # one chunk's logits, reused: their softmax and gradient replace them
         shape = (min(o.chunk_size, num_tokens), vocab)
@@ -399,7 +411,7 @@ def _chunks(
         if row_weight is not None:
             factor = row_weight[start:stop].unsqueeze(1)
             grad = grad.mul_(factor) if grads.inplace else grad * factor
-        grads.add(start, grad, x_c, w_mm)
+        grads.add(start, grad, x_c)
     loss = torch.cat(losses) if losses else x.new_zeros((0,), dtype=acc)
     grad_x = grads.x()
     if o.shard is not None and grad_x is not None:
@@ -440,7 +452,7 @@ class _Context(FunctionCtx):
     x_shape: torch.Size
     x_dtype: torch.dtype
     weight_dtype: torch.dtype
-    saved_grads: bool
+    saved: tuple[bool, bool]
     used: bool
 
 
@@ -474,12 +486,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             want_x=want_x and save,
             want_w=want_w and save,
         )
-        # Outputs must be tensors, and distinct ones: an empty one stands for a gradient not
-        # computed.
+        # Outputs must be tensors, and distinct ones: a 0-d one stands for a gradient not
+        # computed, which backward never reads.
         return (
             _reduce(rows, target, o),
-            x.new_empty((0,)) if grad_x is None else grad_x,
-            x.new_empty((0,)) if grad_w is None else grad_w,
+            x.new_empty(()) if grad_x is None else grad_x,
+            x.new_empty(()) if grad_w is None else grad_w,
         )
 
     @staticmethod
@@ -495,7 +507,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(x, weight, target, grad_x, grad_w)
         ctx.options = o
         ctx.x_shape, ctx.x_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
-        ctx.saved_grads = o.reduction != "none" and (want_x or want_w)
+        save = o.reduction != "none"
+        # What forward computed: under torch.func.vmap an input can need a gradient that the
+        # batched tensor did not say it needs.
+        ctx.saved = (save and want_x, save and want_w)
         ctx.used = False
 
     @staticmethod
@@ -504,10 +519,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         o = ctx.options
         needs_x, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if ctx.saved_grads and not torch.is_grad_enabled():
+        saved_x, saved_w = ctx.saved
+        every_one_saved = (saved_x or not needs_x) and (saved_w or not needs_w)
+        if every_one_saved and not torch.is_grad_enabled():
             return _scale_saved(ctx, grad_loss, needs_x, needs_w)
         # Recompute: each token's incoming gradient is known only now (reduction "none"),
-        # or the gradients must themselves be differentiable (create_graph, torch.func).
+        # the gradients must themselves be differentiable (create_graph, torch.func), or
+        # forward did not compute one that is needed (under torch.func.vmap).
         if o.shard is not None and torch.is_grad_enabled():
             raise RuntimeError(
                 "TiedLinear.cross_entropy on a vocabulary-sharded weight does not support a "
@@ -603,6 +621,31 @@ def _scale_saved(
     )
 
 
+def _check_same_targets(target: torch.Tensor, shard: VocabShard) -> None:
+    """Raise, on every rank of the shard's group, unless all have the same targets.
+
+    The per-token statistics of the ranks are summed: a rank with other tokens (under sequence
+    parallelism, its own slice) would mix them silently. The maximum of ``v`` and of ``-v``
+    over the group agree only if every rank has the same ``v``: first the number of tokens,
+    so that the second all-reduce has one size on every rank, then the targets, which are
+    smaller than the per-token statistics the loss exchanges.
+    """
+    flat = target.reshape(-1)
+    count = flat.new_tensor([flat.numel()])
+    for mine in (count, flat):
+        spread = _all_reduce(torch.cat([mine, -mine]), shard, torch.distributed.ReduceOp.MAX)
+        if not torch.equal(spread[: len(mine)], -spread[len(mine) :]):
+            raise ValueError(
+                f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same tokens "
+                f"and targets on every rank of the tensor-parallel group, but the ranks' "
+                f"targets differ (this rank has {flat.numel()} tokens): each rank's rows of "
+                "the vocabulary give a part of every token's statistics, which are summed "
+                "across ranks. Under sequence parallelism pass the hidden states as a DTensor "
+                "sharded on the sequence (Shard(1), as TiedLinearParallel's input) and the "
+                "whole targets on every rank."
+            )
+
+
 def linear_cross_entropy(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -619,7 +662,9 @@ def linear_cross_entropy(
     """``F.cross_entropy`` of ``F.linear(x, weight)``, plus the z-loss, without the logits.
 
     With ``shard``, ``weight`` is this rank's rows of the vocabulary and the loss and x's
-    gradient are those of the whole vocabulary, reduced over the shard's group.
+    gradient are those of the whole vocabulary, reduced over the shard's group; every rank
+    must have the same targets (compared first, a ``ValueError`` on every rank otherwise),
+    and the default chunk comes from the whole vocabulary.
 
     The logits are widened to float32 from bfloat16 and float16, and soft-capped. The loss
     has the accumulation dtype: float32 when the products run in bfloat16 or float16,
@@ -630,8 +675,12 @@ def linear_cross_entropy(
     _check_arguments(x, weight, target, reduction, label_smoothing, z_loss, softcap, chunk_size)
     mm = _product_dtype(x, weight)
     target = target.long()
+    if shard is not None:
+        _check_same_targets(target, shard)
+    # From the whole vocabulary, so that every rank of a shard takes the same chunks and its
+    # all-reduces have the same sizes, whatever rows it has.
     chunk = chunk_size or default_chunk_size(
-        target.numel(), weight.shape[0], _accumulation_dtype(mm)
+        target.numel(), weight.shape[0] if shard is None else shard.vocab, _accumulation_dtype(mm)
     )
     o = _Options(
         ignore_index,

@@ -234,7 +234,7 @@ class TiedLinear:
             The loss: a scalar, or per token for ``reduction="none"``.
 
         Raises:
-            ValueError: If an argument is invalid or the shapes disagree.
+            ValueError: If an argument is invalid, the shapes or a shard's ranks' targets differ.
             TypeError: If ``target`` is not integer, or ``x`` not of the weight's dtype.
             IndexError: If a counted target is outside ``[0, out_features)`` (on the CPU).
             RuntimeError: If the weight is a DTensor it cannot take, or under forward-mode AD
@@ -254,8 +254,11 @@ class TiedLinear:
         weight: torch.Tensor = self.tied_module.weight  # type: ignore[assignment]
         shard = None
         if _is_dtensor(weight):
-            shard = _vocab_shard(weight)
-            if shard is None or resharded_by_fsdp(self.tied_module, weight):
+            # A replicated weight is whole on every rank: its local tensor is the weight, and
+            # to_local's backward gives its gradient the same placements.
+            replicated = _is_replicated(weight)
+            shard = None if replicated else _vocab_shard(weight)
+            if not (replicated or shard) or resharded_by_fsdp(self.tied_module, weight):
                 raise dtensor_cross_entropy_error(self.tied_module, weight)
             weight = weight.to_local()  # type: ignore[attr-defined] # a DTensor here
             x = _whole_input(x)
@@ -287,6 +290,13 @@ def _vocab_shard(weight: torch.Tensor) -> VocabShard | None:
     vocab = weight.shape[0]
     per_rank = -(-vocab // mesh.size())
     return VocabShard(mesh.get_group(), min(mesh.get_local_rank() * per_rank, vocab), vocab)
+
+
+def _is_replicated(weight: torch.Tensor) -> bool:
+    """Whether a DTensor ``weight`` is replicated on every dimension of its mesh."""
+    from torch.distributed.tensor import Replicate  # noqa: PLC0415 - needs distributed
+
+    return all(isinstance(p, Replicate) for p in weight.placements)  # type: ignore[attr-defined]
 
 
 def _whole_input(x: torch.Tensor) -> torch.Tensor:

@@ -92,7 +92,8 @@ def dtensor_cross_entropy_error(tied_module: nn.Module, weight: torch.Tensor) ->
     return RuntimeError(
         f"TiedLinear.cross_entropy cannot use the weight of the tied module {tied}: it is a "
         f"DTensor with placements {tuple(placements)}, and the chunked loss needs the whole "
-        "vocabulary on every rank, or the vocabulary sharded by tensor parallelism on a "
+        "weight on every rank (a plain tensor, or a DTensor replicated on every mesh "
+        "dimension, Replicate()), or the vocabulary sharded by tensor parallelism on a "
         "1-D mesh (Shard(0)). Under FSDP2, call cross_entropy inside the forward of the "
         "unit that holds the tied module, or register the method that calls it with "
         "torch.distributed.fsdp.register_fsdp_forward_method(model, 'method_name'). Under "
