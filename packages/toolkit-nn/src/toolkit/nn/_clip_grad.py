@@ -32,24 +32,41 @@ def clip_grad_norm_(
     for parameters that need not share one device mesh: plain tensors, DTensors of FSDP2 on
     a ``dp`` mesh and DTensors of FSDP2 with tensor parallelism on a ``(dp, tp)`` mesh, in
     one call. torch's own function stacks the per-parameter norms, which fails for DTensors
-    on different meshes (pytorch#180346). Here the gradients are grouped by mesh; each
-    group's norm is reduced over its own mesh, the groups' norms are combined as plain
-    tensors, and each group is scaled with one foreach call.
+    on different meshes (pytorch#180346). Here the DTensors are grouped by mesh. On each
+    mesh the ranks first agree on which parameters have a gradient (one small all-reduce
+    per mesh dimension); then each rank takes the norm of its local shards, counting a
+    replicated shard once and leaving out empty shards, and the ranks' parts are combined
+    (one more all-reduce per mesh dimension). The meshes' norms and the plain tensors'
+    norm are combined, and each group is scaled with one foreach call.
+
+    DTensor gradients give the whole model's norm, the same on every rank of their meshes,
+    with any sharding, even or not. A plain tensor's gradient is this rank's own, as in
+    torch: it takes no part in any communication, and a call with plain tensors only
+    communicates nothing. The total is the same on every rank when the plain tensors'
+    gradients are (as after DDP), and not otherwise.
 
     Args:
-        parameters: A tensor or an iterable of tensors whose gradients are clipped.
+        parameters: A tensor or an iterable of tensors whose gradients are clipped. Every
+            rank of a DTensor's mesh must call with that DTensor.
         max_norm: The largest total norm allowed.
-        norm_type: The p of the p-norm; ``inf`` for the largest absolute value.
+        norm_type: The p of the p-norm; ``inf`` for the largest absolute value, ``-inf``
+            for the smallest; ``0`` counts the gradients with a nonzero element, as torch's.
         error_if_nonfinite: Raise if the total norm is ``nan``, ``inf`` or ``-inf``.
-        foreach: Use the foreach kernels (``None``: where the device supports them).
+        foreach: Use the foreach kernels (``None``: where the device supports them). With
+            ``True``, a gradient on a device without foreach kernels is refused, as in torch.
 
     Returns:
-        The total norm of the gradients, before clipping: a plain tensor, the same on every
-        rank of the meshes.
+        The total norm of the gradients, before clipping, as a plain tensor of the
+        gradients' promoted dtype. A DTensor without a gradient on any rank takes no part,
+        as a parameter without a gradient does in torch.
 
     Raises:
+        ValueError: If a DTensor parameter has a gradient on some ranks of its mesh and None
+            on others, on every rank of the mesh; no gradient is changed. Give it a gradient
+            on every rank (zeros where there is none) or on none.
         RuntimeError: If ``error_if_nonfinite`` is set and the total norm is not finite;
-            no gradient is changed.
+            no gradient is changed. If ``foreach`` is ``True`` and a gradient's device has
+            no foreach kernels.
 
     Added in version v3.58.0.
 
@@ -80,11 +97,11 @@ def by_layout(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def by_mesh(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The parameters grouped by device mesh: DTensors with or without a gradient, on the mesh
-    of the parameter (or of its gradient), and the plain tensors with a gradient in one group.
+    """The parameters grouped by device mesh, DTensors with or without a gradient.
 
-    The groups come in the order their meshes first appear, the same on every rank that holds
-    the same parameters, whichever of them have a gradient on this rank.
+    A DTensor is on the mesh of the parameter (or of its gradient); the plain tensors with a
+    gradient are in one group. The groups come in the order their meshes first appear, the
+    same on every rank that holds the same parameters, whichever have a gradient here.
     """
     groups: dict[Hashable, list[torch.Tensor]] = {}
     for param in params:
@@ -110,21 +127,20 @@ def total_norm(
             if norm is not None:
                 norms.append(norm)
         else:
-            grads = [p.grad for p in group]
-            norms.append(torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach))
+            grads = [p.grad for p in group]  # every plain tensor of the group has one
+            norms.append(vector_norm(grads, norm_type, foreach))  # type: ignore[arg-type]
     if not norms:
         return torch.tensor(0.0)
     device = norms[0].device
     stacked = torch.stack([n.to(device) for n in norms])
-    # The 0-"norm" counts the nonzero elements: the groups' counts add.
+    # The 0-"norm" counts the gradients with a nonzero element: the groups' counts add.
     return stacked.sum() if norm_type == 0 else torch.linalg.vector_norm(stacked, norm_type)
 
 
 def mesh_norm(
     group: list[torch.Tensor], norm_type: float, foreach: bool | None
 ) -> torch.Tensor | None:
-    """The norm of the gradients of DTensors on one mesh, on every rank of it; None if no rank
-    has any of them.
+    """The norm of the gradients of DTensors on one mesh, on every rank; None if none has any.
 
     First the ranks agree on which parameters have a gradient (one all-reduce per mesh
     dimension), and a gradient that some ranks have and others lack is refused on every rank.
@@ -136,11 +152,13 @@ def mesh_norm(
     anchor = first.to_local()  # type: ignore[union-attr]
     mesh = first.device_mesh  # type: ignore[union-attr]
     grads = [p.grad for p in group]
-    flags = anchor.new_tensor([[int(g is not None) for g in grads], [int(g is None) for g in grads]])
+    flags = anchor.new_tensor(
+        [[int(g is not None) for g in grads], [int(g is None) for g in grads]]
+    )
     all_reduce(mesh, flags, dist.ReduceOp.MAX)
     somewhere, nowhere = flags.bool()
     if (somewhere & nowhere).any():
-        raise ValueError(_missing(group, int((somewhere & nowhere).int().argmax())))
+        raise ValueError(_missing(group[int((somewhere & nowhere).int().argmax())]))
     if not somewhere.any():
         return None
     coordinate = mesh.get_coordinate()
@@ -148,10 +166,10 @@ def mesh_norm(
     for grad in grads:
         shard = None
         if grad is not None:
-            grad = replicated_partial(grad)
-            placements = zip(grad.placements, coordinate, strict=True)  # type: ignore[attr-defined]
+            whole = replicated_partial(grad)
+            placements = zip(whole.placements, coordinate, strict=True)  # type: ignore[attr-defined]
             copy = any(c for p, c in placements if p.is_replicate())
-            local = grad.to_local()  # type: ignore[attr-defined]
+            local = whole.to_local()  # type: ignore[attr-defined]
             shard = None if copy or not local.numel() else local
         shards.append(shard)
     mine = [s for s in shards if s is not None]
@@ -195,9 +213,10 @@ def replicated_partial(grad: torch.Tensor) -> torch.Tensor:
         return grad
     from torch.distributed.tensor import Replicate  # noqa: PLC0415 - a DTensor exists
 
-    return grad.redistribute(  # type: ignore[attr-defined]
+    whole: torch.Tensor = grad.redistribute(  # type: ignore[attr-defined]
         placements=[Replicate() if p.is_partial() else p for p in placements]
     )
+    return whole
 
 
 def all_reduce(mesh: DeviceMesh, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
@@ -206,14 +225,12 @@ def all_reduce(mesh: DeviceMesh, tensor: torch.Tensor, op: dist.ReduceOp.RedOpTy
         dist.all_reduce(tensor, op=op, group=mesh.get_group(dim))
 
 
-def _missing(group: list[torch.Tensor], index: int) -> str:
-    param = group[index]
+def _missing(param: torch.Tensor) -> str:
     return (
-        f"clip_grad_norm_: a DTensor parameter of shape {tuple(param.shape)} (the "
-        f"{index + 1}th on its device mesh) has a gradient on some ranks of the mesh and None "
-        "on others, so its gradient is neither whole nor absent. Give it a gradient on every "
-        "rank (zeros where a rank has none: param.grad = torch.zeros_like(param)) or on none "
-        "(param.grad = None)"
+        f"clip_grad_norm_: a DTensor parameter of shape {tuple(param.shape)} has a gradient "
+        "on some ranks of its device mesh and None on others, so its gradient is neither "
+        "whole nor absent. Give it a gradient on every rank (zeros where a rank has none: "
+        "param.grad = torch.zeros_like(param)) or on none (param.grad = None)"
     )
 
 
