@@ -348,14 +348,34 @@ def test_foreach_true_with_gradients_where_foreach_kernels_are_missing_is_refuse
 def test_a_mesh_whose_dtensors_have_no_gradient_on_any_rank_takes_no_part(
     norm_type: float,
 ) -> None:
-    bias = nn.Parameter(torch.zeros(2))
-    bias.grad = torch.tensor([2.0, -3.0])
-    expected = torch.nn.utils.clip_grad_norm_([copy.deepcopy(bias)], 1.0, norm_type)
+    def bias() -> nn.Parameter:
+        param = nn.Parameter(torch.zeros(2))
+        param.grad = torch.tensor([2.0, -3.0])
+        return param
+
+    expected = torch.nn.utils.clip_grad_norm_([bias()], 1.0, norm_type)
+    assert expected >= 2.0
 
     def rank_main(rank: int) -> torch.Tensor:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("frozen",))
         frozen = nn.Parameter(distribute_tensor(torch.ones(3), mesh, [Shard(0)]))
-        return clip_grad_norm_([frozen, copy.deepcopy(bias)], 1.0, norm_type)
+        return clip_grad_norm_([frozen, bias()], 1.0, norm_type)
 
     for norm in run_threads(2, rank_main):
         torch.testing.assert_close(norm, expected)
+
+
+@pytest.mark.parametrize("norm_type", [INF, -INF, 1.0])
+def test_a_nan_in_one_ranks_shard_gives_a_nan_norm_on_every_rank_as_torch(
+    norm_type: float, reduced: dict[int, list[torch.dtype]]
+) -> None:
+    full_grad = torch.tensor([1.0, 5.0, math.nan, 3.0])
+    assert torch.nn.utils.get_total_norm(full_grad, norm_type).isnan()
+
+    def rank_main(rank: int) -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(full_grad, mesh, [Shard(0)])
+        return clip_grad_norm_([weight], 1.0, norm_type)
+
+    assert all(norm.isnan() for norm in run_threads(2, rank_main))

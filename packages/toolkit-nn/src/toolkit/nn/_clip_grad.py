@@ -176,9 +176,8 @@ def mesh_norm(
     infinite = math.isinf(norm_type)
     if norm_type == 0:
         # torch's 0-"norm" counts the gradients with a nonzero element: count each over the mesh.
-        zero = anchor.new_zeros(())
-        counts = [zero if s is None else vector_norm(s, 0.0, foreach) for s in shards]
-        values = torch.stack(counts)
+        zero = anchor.new_tensor(False)
+        values = torch.stack([zero if s is None else s.ne(0).any() for s in shards])
     elif infinite:
         # The largest (inf) or smallest (-inf) absolute value is the absolute value of the MAX
         # of the parts signed as norm_type; a rank without elements takes no part. gloo's MAX
