@@ -379,3 +379,22 @@ def test_a_nan_in_one_ranks_shard_gives_a_nan_norm_on_every_rank_as_torch(
         return clip_grad_norm_([weight], 1.0, norm_type)
 
     assert all(norm.isnan() for norm in run_threads(2, rank_main))
+
+
+def test_the_0_norm_counts_each_dtensor_with_a_nonzero_element_once_as_torch() -> None:
+    # Zeros everywhere (one with an empty shard on rank 1), and a nonzero element in one shard.
+    grads = [torch.zeros(3), torch.tensor([5.0]), torch.zeros(1)]
+    expected = torch.nn.utils.get_total_norm(grads, 0.0)
+    assert expected == 1
+
+    def rank_main(rank: int) -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (2,))
+        params = []
+        for grad in grads:
+            param = nn.Parameter(distribute_tensor(torch.zeros_like(grad), mesh, [Shard(0)]))
+            param.grad = distribute_tensor(grad, mesh, [Shard(0)])
+            params.append(param)
+        return clip_grad_norm_(params, 1.0, 0.0)
+
+    for norm in run_threads(2, rank_main):
+        torch.testing.assert_close(norm, expected)
