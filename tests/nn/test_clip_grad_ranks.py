@@ -398,3 +398,21 @@ def test_the_0_norm_counts_each_dtensor_with_a_nonzero_element_once_as_torch() -
 
     for norm in run_threads(2, rank_main):
         torch.testing.assert_close(norm, expected)
+
+
+@pytest.mark.parametrize("norm_type", [INF, -INF])
+def test_a_rank_whose_shards_are_all_empty_takes_no_part_in_the_largest_or_smallest(
+    norm_type: float,
+) -> None:
+    # nn.Linear(8, 1)'s bias under FSDP2 on two ranks: rank 1 holds no element of it.
+    expected = torch.nn.utils.get_total_norm(torch.tensor([-5.0]), norm_type)
+
+    def rank_main(rank: int) -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (2,))
+        bias = nn.Parameter(distribute_tensor(torch.zeros(1), mesh, [Shard(0)]))
+        bias.grad = distribute_tensor(torch.tensor([-5.0]), mesh, [Shard(0)])
+        assert bias.grad.to_local().numel() == 1 - rank
+        return clip_grad_norm_([bias], 1.0, norm_type)
+
+    for norm in run_threads(2, rank_main):
+        torch.testing.assert_close(norm, expected)
