@@ -28,45 +28,33 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients by their total norm, as ``torch.nn.utils.clip_grad_norm_``, over meshes.
 
-    The same arguments, result and in-place scaling as ``torch.nn.utils.clip_grad_norm_``,
-    for parameters that need not share one device mesh: plain tensors, DTensors of FSDP2 on
-    a ``dp`` mesh and DTensors of FSDP2 with tensor parallelism on a ``(dp, tp)`` mesh, in
-    one call. torch's own function stacks the per-parameter norms, which fails for DTensors
-    on different meshes (pytorch#180346). Here the DTensors are grouped by mesh. On each
-    mesh the ranks first agree on which parameters have a gradient (one small all-reduce
-    per mesh dimension); then each rank takes the norm of its local shards, counting a
-    replicated shard once and leaving out empty shards, and the ranks' parts are combined
-    (one more all-reduce per mesh dimension). The meshes' norms and the plain tensors'
-    norm are combined, and each group is scaled with one foreach call.
-
-    DTensor gradients give the whole model's norm, the same on every rank of their meshes,
-    with any sharding, even or not. A plain tensor's gradient is this rank's own, as in
-    torch: it takes no part in any communication, and a call with plain tensors only
-    communicates nothing. The total is the same on every rank when the plain tensors'
-    gradients are (as after DDP), and not otherwise.
+    The same arguments, result and in-place scaling as torch's, for plain tensors and
+    DTensors on any meshes (FSDP2 on ``dp``, FSDP2 with TP on ``(dp, tp)``) in one call,
+    which torch's cannot combine (pytorch#180346). On each mesh the ranks agree on which
+    DTensors have a gradient, then combine the norms of their local shards (a replicated
+    shard counted once, empty shards left out): two all-reduces per mesh dimension. A
+    plain tensor's gradient is this rank's, as in torch, and is not communicated.
 
     Args:
-        parameters: A tensor or an iterable of tensors whose gradients are clipped. Every
-            rank of a DTensor's mesh must call with that DTensor.
+        parameters: A tensor or an iterable of tensors whose gradients are clipped.
         max_norm: The largest total norm allowed.
-        norm_type: The p of the p-norm; ``inf`` for the largest absolute value, ``-inf``
-            for the smallest; ``0`` counts the gradients with a nonzero element, as torch's.
+        norm_type: The p of the p-norm; ``inf``/``-inf`` for the largest/smallest absolute
+            value; ``0`` counts the gradients with a nonzero element, as torch's.
         error_if_nonfinite: Raise if the total norm is ``nan``, ``inf`` or ``-inf``.
-        foreach: Use the foreach kernels (``None``: where the device supports them). With
-            ``True``, a gradient on a device without foreach kernels is refused, as in torch.
+        foreach: Use the foreach kernels (``None``: where the device supports them).
 
     Returns:
-        The total norm of the gradients, before clipping, as a plain tensor of the
-        gradients' promoted dtype. A DTensor without a gradient on any rank takes no part,
-        as a parameter without a gradient does in torch.
+        The total norm before clipping, a plain tensor of the gradients' promoted dtype: the
+        whole model's, the same on every rank of the meshes when the plain tensors'
+        gradients are the same there (as after DDP). A DTensor without a gradient on any
+        rank takes no part.
 
     Raises:
-        ValueError: If a DTensor parameter has a gradient on some ranks of its mesh and None
-            on others, on every rank of the mesh; no gradient is changed. Give it a gradient
-            on every rank (zeros where there is none) or on none.
-        RuntimeError: If ``error_if_nonfinite`` is set and the total norm is not finite;
-            no gradient is changed. If ``foreach`` is ``True`` and a gradient's device has
-            no foreach kernels.
+        ValueError: On every rank of its mesh, if a DTensor has a gradient on some ranks
+            and None on others; give it one on every rank (zeros) or on none.
+        RuntimeError: If ``error_if_nonfinite`` is set and the total norm is not finite, or
+            ``foreach=True`` and a gradient's device has no foreach kernels, as torch's.
+            After the ValueError or the non-finite refusal no gradient has changed.
 
     Added in version v3.58.0.
 
