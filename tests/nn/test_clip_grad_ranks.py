@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from tests.nn.ranks import run_threads
@@ -281,3 +281,138 @@ def test_a_nonfinite_gradient_on_one_rank_is_refused_on_every_rank_and_nothing_i
         return str(info.value)
 
     assert len(set(run_threads(2, rank_main))) == 1
+
+
+def test_a_partial_dtensor_gradient_counts_its_sum_over_the_mesh() -> None:
+    # A replicated weight used on sharded activations, as under sequence parallelism, may
+    # hold a gradient whose value is the sum of the ranks' local tensors.
+    expected_norm, (expected,) = expected_clip([torch.tensor([3.0, 6.0, 9.0])], 1.0, 2.0)
+
+    def rank_main(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = nn.Parameter(distribute_tensor(torch.zeros(3), mesh, [Replicate()]))
+        local = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
+        weight.grad = DTensor.from_local(local, mesh, [Partial()])
+        norm = clip_grad_norm_([weight], 1.0)
+        return norm, weight.grad.full_tensor()
+
+    for norm, grad in run_threads(2, rank_main):
+        torch.testing.assert_close(norm, expected_norm)
+        torch.testing.assert_close(grad, expected)
+
+
+def test_plain_tensors_are_this_ranks_and_take_no_part_in_the_reduction() -> None:
+    # A plain tensor's gradient is the rank's own, as in torch's clip_grad_norm_: the total is
+    # the same on every rank when the plain gradients are (as after DDP), not otherwise.
+    sharded = torch.tensor([1.0, 2.0, 2.0, 4.0])
+
+    def rank_main(rank: int) -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(sharded, mesh, [Shard(0)])
+        bias = nn.Parameter(torch.zeros(2))
+        bias.grad = torch.tensor([2.0, 0.0]) if rank == 0 else None
+        return clip_grad_norm_([weight, bias], 100.0)
+
+    norms = run_threads(2, rank_main)
+    torch.testing.assert_close(norms[0], torch.tensor(29.0).sqrt())  # 1 + 4 + 4 + 16, and 4
+    torch.testing.assert_close(norms[1], torch.tensor(5.0))
+
+
+@pytest.mark.parametrize("rows", [0, 2], ids=["empty", "nonempty"])
+def test_foreach_true_with_gradients_where_foreach_kernels_are_missing_is_refused_as_torch(
+    rows: int,
+) -> None:
+    # foreach=True is honoured for the norm and for the scaling, as in torch: a gradient on a
+    # device without foreach kernels (meta here) is refused, even when its shard is empty and
+    # takes no part in the norm.
+    weight = nn.Parameter(torch.zeros(2, device="meta"))
+    weight.grad = torch.ones(2, device="meta")
+    with pytest.raises(RuntimeError, match=r"foreach=True") as info:
+        torch.nn.utils.clip_grad_norm_([weight], 1.0, foreach=True)
+
+    def rank_main(rank: int) -> str:
+        mesh = init_device_mesh("cpu", (2,))
+        frozen = nn.Parameter(distribute_tensor(torch.zeros(2), mesh, [Shard(0)]))
+        local = torch.ones(rows, device="meta")
+        meta = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+        meta.grad = DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False)
+        with pytest.raises(RuntimeError, match=r"foreach=True") as ours:
+            clip_grad_norm_([frozen, meta], 1.0, foreach=True)
+        return str(ours.value)
+
+    assert run_threads(2, rank_main) == [str(info.value)] * 2
+
+
+@pytest.mark.parametrize("norm_type", [INF, -INF, 2.0])
+def test_a_mesh_whose_dtensors_have_no_gradient_on_any_rank_takes_no_part(
+    norm_type: float,
+) -> None:
+    def bias() -> nn.Parameter:
+        param = nn.Parameter(torch.zeros(2))
+        param.grad = torch.tensor([2.0, -3.0])
+        return param
+
+    expected = torch.nn.utils.clip_grad_norm_([bias()], 1.0, norm_type)
+    assert expected >= 2.0
+
+    def rank_main(rank: int) -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("frozen",))
+        frozen = nn.Parameter(distribute_tensor(torch.ones(3), mesh, [Shard(0)]))
+        return clip_grad_norm_([frozen, bias()], 1.0, norm_type)
+
+    for norm in run_threads(2, rank_main):
+        torch.testing.assert_close(norm, expected)
+
+
+@pytest.mark.parametrize("norm_type", [INF, -INF, 1.0])
+def test_a_nan_in_one_ranks_shard_gives_a_nan_norm_on_every_rank_as_torch(
+    norm_type: float, reduced: dict[int, list[torch.dtype]]
+) -> None:
+    full_grad = torch.tensor([1.0, 5.0, math.nan, 3.0])
+    assert torch.nn.utils.get_total_norm(full_grad, norm_type).isnan()
+
+    def rank_main(rank: int) -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(full_grad, mesh, [Shard(0)])
+        return clip_grad_norm_([weight], 1.0, norm_type)
+
+    assert all(norm.isnan() for norm in run_threads(2, rank_main))
+
+
+def test_the_0_norm_counts_each_dtensor_with_a_nonzero_element_once_as_torch() -> None:
+    # Zeros everywhere (one with an empty shard on rank 1), and a nonzero element in one shard.
+    grads = [torch.zeros(3), torch.tensor([5.0]), torch.zeros(1)]
+    expected = torch.nn.utils.get_total_norm(grads, 0.0)
+    assert expected == 1
+
+    def rank_main(rank: int) -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (2,))
+        params = []
+        for grad in grads:
+            param = nn.Parameter(distribute_tensor(torch.zeros_like(grad), mesh, [Shard(0)]))
+            param.grad = distribute_tensor(grad, mesh, [Shard(0)])
+            params.append(param)
+        return clip_grad_norm_(params, 1.0, 0.0)
+
+    for norm in run_threads(2, rank_main):
+        torch.testing.assert_close(norm, expected)
+
+
+@pytest.mark.parametrize("norm_type", [INF, -INF])
+def test_a_rank_whose_shards_are_all_empty_takes_no_part_in_the_largest_or_smallest(
+    norm_type: float,
+) -> None:
+    # nn.Linear(8, 1)'s bias under FSDP2 on two ranks: rank 1 holds no element of it.
+    expected = torch.nn.utils.get_total_norm(torch.tensor([-5.0]), norm_type)
+
+    def rank_main(rank: int) -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (2,))
+        bias = nn.Parameter(distribute_tensor(torch.zeros(1), mesh, [Shard(0)]))
+        bias.grad = distribute_tensor(torch.tensor([-5.0]), mesh, [Shard(0)])
+        assert bias.grad.to_local().numel() == 1 - rank
+        return clip_grad_norm_([bias], 1.0, norm_type)
+
+    for norm in run_threads(2, rank_main):
+        torch.testing.assert_close(norm, expected)

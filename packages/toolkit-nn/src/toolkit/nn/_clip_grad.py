@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Hashable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from toolkit.nn._common import _is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["clip_grad_norm_"]
 
@@ -21,28 +28,33 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients by their total norm, as ``torch.nn.utils.clip_grad_norm_``, over meshes.
 
-    The same arguments, result and in-place scaling as ``torch.nn.utils.clip_grad_norm_``,
-    for parameters that need not share one device mesh: plain tensors, DTensors of FSDP2 on
-    a ``dp`` mesh and DTensors of FSDP2 with tensor parallelism on a ``(dp, tp)`` mesh, in
-    one call. torch's own function stacks the per-parameter norms, which fails for DTensors
-    on different meshes (pytorch#180346). Here the gradients are grouped by mesh; each
-    group's norm is reduced over its own mesh, the groups' norms are combined as plain
-    tensors, and each group is scaled with one foreach call.
+    The same arguments, result and in-place scaling as torch's, for plain tensors and
+    DTensors on any meshes (FSDP2 on ``dp``, FSDP2 with TP on ``(dp, tp)``) in one call,
+    which torch's cannot combine (pytorch#180346). On each mesh the ranks agree on which
+    DTensors have a gradient, then combine the norms of their local shards (a replicated
+    shard counted once, empty shards left out): two all-reduces per mesh dimension. A
+    plain tensor's gradient is this rank's, as in torch, and is not communicated.
 
     Args:
         parameters: A tensor or an iterable of tensors whose gradients are clipped.
         max_norm: The largest total norm allowed.
-        norm_type: The p of the p-norm; ``inf`` for the largest absolute value.
+        norm_type: The p of the p-norm; ``inf``/``-inf`` for the largest/smallest absolute
+            value; ``0`` counts the gradients with a nonzero element, as torch's.
         error_if_nonfinite: Raise if the total norm is ``nan``, ``inf`` or ``-inf``.
         foreach: Use the foreach kernels (``None``: where the device supports them).
 
     Returns:
-        The total norm of the gradients, before clipping: a plain tensor, the same on every
-        rank of the meshes.
+        The total norm before clipping, a plain tensor of the gradients' promoted dtype: the
+        whole model's, the same on every rank of the meshes when the plain tensors'
+        gradients are the same there (as after DDP). A DTensor without a gradient on any
+        rank takes no part.
 
     Raises:
-        RuntimeError: If ``error_if_nonfinite`` is set and the total norm is not finite;
-            no gradient is changed.
+        ValueError: On every rank of its mesh, if a DTensor has a gradient on some ranks
+            and None on others; give it one on every rank (zeros) or on none.
+        RuntimeError: If ``error_if_nonfinite`` is set and the total norm is not finite, or
+            ``foreach=True`` and a gradient's device has no foreach kernels, as torch's.
+            After the ValueError or the non-finite refusal no gradient has changed.
 
     Added in version v3.58.0.
 
@@ -55,7 +67,7 @@ def clip_grad_norm_(
         tensor(1.7321)
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    groups = by_layout(params)
+    groups = by_mesh(params)
     total = total_norm(groups, norm_type, foreach)
     check_finite(total, norm_type, error_if_nonfinite)
     clip_with_norm(groups, max_norm, total, foreach)
@@ -68,11 +80,22 @@ def by_layout(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     Every plain tensor is in one group. The groups come in the order their meshes first
     appear.
     """
+    groups = [[p for p in group if p.grad is not None] for group in by_mesh(params)]
+    return [group for group in groups if group]
+
+
+def by_mesh(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The parameters grouped by device mesh, DTensors with or without a gradient.
+
+    A DTensor is on the mesh of the parameter (or of its gradient); the plain tensors with a
+    gradient are in one group. The groups come in the order their meshes first appear, the
+    same on every rank that holds the same parameters, whichever have a gradient here.
+    """
     groups: dict[Hashable, list[torch.Tensor]] = {}
     for param in params:
-        grad = param.grad
-        if grad is not None:
-            mesh = grad.device_mesh if _is_dtensor(grad) else None  # type: ignore[attr-defined]
+        sharded = param if _is_dtensor(param) else param.grad
+        if sharded is not None:
+            mesh = sharded.device_mesh if _is_dtensor(sharded) else None  # type: ignore[attr-defined]
             groups.setdefault(mesh, []).append(param)
     return list(groups.values())
 
@@ -86,15 +109,116 @@ def total_norm(
     """
     norms = []
     for group in groups:
-        grads = [p.grad for p in group if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
-        norms.append(norm.full_tensor() if _is_dtensor(norm) else norm)  # type: ignore[attr-defined]
+        sharded = group[0] if _is_dtensor(group[0]) else group[0].grad
+        if _is_dtensor(sharded):
+            norm = mesh_norm(group, norm_type, foreach)
+            if norm is not None:
+                norms.append(norm)
+        else:
+            grads = [p.grad for p in group]  # every plain tensor of the group has one
+            norms.append(vector_norm(grads, norm_type, foreach))  # type: ignore[arg-type]
     if not norms:
         return torch.tensor(0.0)
     device = norms[0].device
     stacked = torch.stack([n.to(device) for n in norms])
-    # The 0-"norm" counts the nonzero elements: the groups' counts add.
+    # The 0-"norm" counts the gradients with a nonzero element: the groups' counts add.
     return stacked.sum() if norm_type == 0 else torch.linalg.vector_norm(stacked, norm_type)
+
+
+def mesh_norm(
+    group: list[torch.Tensor], norm_type: float, foreach: bool | None
+) -> torch.Tensor | None:
+    """The norm of the gradients of DTensors on one mesh, on every rank; None if none has any.
+
+    First the ranks agree on which parameters have a gradient (one all-reduce per mesh
+    dimension), and a gradient that some ranks have and others lack is refused on every rank.
+    Then each rank takes the norm of its local shards, counting each replicated shard once and
+    leaving out empty shards (which have no largest or smallest element), and the ranks'
+    parts are combined (one more all-reduce per mesh dimension).
+    """
+    first = group[0] if _is_dtensor(group[0]) else group[0].grad
+    anchor = first.to_local()  # type: ignore[union-attr]
+    mesh = first.device_mesh  # type: ignore[union-attr]
+    grads = [p.grad for p in group]
+    flags = anchor.new_tensor(
+        [[int(g is not None) for g in grads], [int(g is None) for g in grads]]
+    )
+    all_reduce(mesh, flags, dist.ReduceOp.MAX)
+    somewhere, nowhere = flags.bool()
+    if (somewhere & nowhere).any():
+        raise ValueError(_missing(group[int((somewhere & nowhere).int().argmax())]))
+    if not somewhere.any():
+        return None
+    coordinate = mesh.get_coordinate()
+    shards = []  # this rank's part of each gradient: None for a copy or an empty shard
+    for grad in grads:
+        shard = None
+        if grad is not None:
+            whole = replicated_partial(grad)
+            placements = zip(whole.placements, coordinate, strict=True)  # type: ignore[attr-defined]
+            copy = any(c for p, c in placements if p.is_replicate())
+            local = whole.to_local()  # type: ignore[attr-defined]
+            shard = None if copy or not local.numel() else local
+        shards.append(shard)
+    mine = [s for s in shards if s is not None]
+    infinite = math.isinf(norm_type)
+    if norm_type == 0:
+        # torch's 0-"norm" counts the gradients with a nonzero element: count each over the mesh.
+        zero = anchor.new_tensor(False)
+        values = torch.stack([zero if s is None else s.ne(0).any() for s in shards])
+    elif infinite:
+        # The largest (inf) or smallest (-inf) absolute value is the absolute value of the MAX
+        # of the parts signed as norm_type; a rank without elements takes no part. gloo's MAX
+        # may drop a nan: whether any part is nan rides beside it.
+        part = vector_norm(mine, norm_type, foreach)
+        values = (part.copysign(norm_type) if mine else part.new_tensor(-math.inf))[None]
+    else:
+        values = vector_norm(mine, norm_type, foreach).pow(norm_type)[None]  # the sums add
+    dtype = functools.reduce(torch.promote_types, [p.dtype for p in group])
+    parts = anchor.new_zeros(len(values) + 1, dtype=dtype)
+    parts.copy_(torch.cat([values, values.isnan().any()[None]]))
+    all_reduce(mesh, parts, dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM)
+    if norm_type == 0:
+        norm = (parts[:-1] > 0).sum().to(dtype)
+    elif infinite:
+        norm = parts[0].abs()
+    else:
+        norm = parts[0].pow(1.0 / norm_type)
+    return torch.where(parts[-1] > 0, math.nan, norm)
+
+
+def vector_norm(
+    tensors: torch.Tensor | list[torch.Tensor], norm_type: float, foreach: bool | None
+) -> torch.Tensor:
+    return torch.nn.utils.get_total_norm(tensors, norm_type, foreach=foreach)
+
+
+def replicated_partial(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with its partial sums over mesh dimensions reduced, so its shards hold values."""
+    placements = grad.placements  # type: ignore[attr-defined]
+    if not any(p.is_partial() for p in placements):
+        return grad
+    from torch.distributed.tensor import Replicate  # noqa: PLC0415 - a DTensor exists
+
+    whole: torch.Tensor = grad.redistribute(  # type: ignore[attr-defined]
+        placements=[Replicate() if p.is_partial() else p for p in placements]
+    )
+    return whole
+
+
+def all_reduce(mesh: DeviceMesh, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
+    """All-reduce ``tensor`` over every rank of ``mesh``: one all-reduce per dimension."""
+    for dim in range(mesh.ndim):
+        dist.all_reduce(tensor, op=op, group=mesh.get_group(dim))
+
+
+def _missing(param: torch.Tensor) -> str:
+    return (
+        f"clip_grad_norm_: a DTensor parameter of shape {tuple(param.shape)} has a gradient "
+        "on some ranks of its device mesh and None on others, so its gradient is neither "
+        "whole nor absent. Give it a gradient on every rank (zeros where a rank has none: "
+        "param.grad = torch.zeros_like(param)) or on none (param.grad = None)"
+    )
 
 
 def check_finite(total: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> None:
