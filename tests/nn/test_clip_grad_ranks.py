@@ -416,3 +416,28 @@ def test_a_rank_whose_shards_are_all_empty_takes_no_part_in_the_largest_or_small
 
     for norm in run_threads(2, rank_main):
         torch.testing.assert_close(norm, expected)
+
+
+def test_pipeline_clipping_of_a_dtensor_gradient_on_some_replicas_only_is_refused_on_each() -> None:
+    """A stage's FSDP2 replicas must agree which parameters have a gradient."""
+
+    def rank_main(rank: int) -> tuple[str, torch.Tensor]:
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
+
+        def shard() -> DTensor:
+            local = torch.ones(3 - rank)  # rows 3 + 2 of 5
+            return DTensor.from_local(local, mesh["dp"], [Shard(0)], shape=(5,), stride=(1,))
+
+        weight = nn.Parameter(shard())
+        bias = nn.Parameter(torch.zeros(2))
+        bias.grad = torch.tensor([3.0, 4.0])
+        if rank == 0:
+            weight.grad = shard()
+        with pytest.raises(ValueError, match=r"\(5,\)") as raised:
+            pipeline_clip_grad_norm_([weight, bias], 1.0, group=mesh["pp"])
+        return str(raised.value), bias.grad
+
+    results = run_threads(2, rank_main)
+    assert results[0][0] == results[1][0]
+    for _, grad in results:
+        torch.testing.assert_close(grad, torch.tensor([3.0, 4.0]))

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.nn._clip_grad import by_layout, check_finite, clip_with_norm, total_norm
+from toolkit.nn._clip_grad import by_layout, by_mesh, check_finite, clip_with_norm, total_norm
 from toolkit.nn._common import _describe, _is_dtensor
 from toolkit.nn._tied_linear import TiedLinear
 
@@ -325,8 +325,7 @@ def pipeline_clip_grad_norm_(
     after ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
 
     Args:
-        parameters: This rank's parameters, of every stage it holds: a tensor or an
-            iterable of tensors.
+        parameters: This rank's parameters (of every stage it holds), tensor or iterable.
         max_norm: The largest total norm allowed.
         norm_type: The p of the p-norm; ``inf`` for the largest absolute value, ``-inf``
             for the smallest, over every rank's gradients.
@@ -344,7 +343,8 @@ def pipeline_clip_grad_norm_(
 
     Raises:
         ValueError: If neither ``group`` nor ``tie`` is given and the default process group
-            has more than one rank, which is the pipeline only without other parallelism.
+            has more than one rank, which is the pipeline only without other parallelism;
+            or, as ``clip_grad_norm_``, for a DTensor with a gradient on some ranks only.
         RuntimeError: If ``error_if_nonfinite`` is set and the total norm is not finite, on
             every rank of the pipeline; no gradient is changed.
 
@@ -360,7 +360,9 @@ def pipeline_clip_grad_norm_(
     pipeline = _pipeline_group(group, tie)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     skipped = {id(p) for p in tie.duplicates()} if tie is not None else set()
-    counted = by_layout(p for p in params if id(p) not in skipped)
+    # DTensors without a gradient here too: their mesh's ranks agree on which have one.
+    counted = by_mesh(p for p in params if id(p) not in skipped)
+    has_grads = any(p.grad is not None for group in counted for p in group)
     local = total_norm(counted, norm_type, foreach)
     # float64 on every rank, whatever each rank's gradients are: the ranks must agree on it.
     total = local.to(torch.float64)
@@ -371,8 +373,8 @@ def pipeline_clip_grad_norm_(
         # is the absolute value of the MAX of the norms signed as norm_type; a rank without
         # gradients takes no part, and no gradient anywhere gives 0, as in torch. gloo's MAX
         # may drop a nan: whether any rank's norm is nan rides beside it.
-        signed = total.copysign(norm_type) if counted else total.new_tensor(-math.inf)
-        both = torch.stack([signed, total.isnan(), torch.tensor(float(bool(counted)))])
+        signed = total.copysign(norm_type) if has_grads else total.new_tensor(-math.inf)
+        both = torch.stack([signed, total.isnan(), torch.tensor(float(has_grads))])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pipeline)
         total = torch.where(both[2] > 0, both[0].abs(), 0.0)
         total = torch.where(both[1] > 0, math.nan, total)

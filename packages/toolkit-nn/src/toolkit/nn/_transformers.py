@@ -24,11 +24,9 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
     ``post_init()``, ``tie_weights()``, the forward, ``generate()``, ``save_pretrained()`` (one
     copy of the weight, which a stock model loads), ``resize_token_embeddings()``, meta-device
     init and FSDP2 work as on the stock tied model, and ``head.cross_entropy`` takes the loss
-    without the logits. ``load_state_dict`` takes a stock checkpoint's ``lm_head.weight`` if it
-    equals the embedding's, and the model's tensor-parallel plan no longer names the head. Call
-    it after ``from_pretrained`` returns. The package does not import transformers; ``model``
-    is any ``PreTrainedModel`` with input and output embeddings. See the
-    [Hugging Face transformers guide][hugging-face-transformers].
+    without the logits; ``load_state_dict`` takes a stock checkpoint's equal ``lm_head.weight``,
+    and the tensor-parallel plan drops the head. Call it after ``from_pretrained`` returns. See
+    the [Hugging Face transformers guide][hugging-face-transformers].
 
     Args:
         model: A transformers ``PreTrainedModel`` whose config ties the word embeddings.
@@ -43,8 +41,7 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
             embeddings, or its head is not the bias-free, tied Linear a tied model holds.
             Nothing is changed.
         RuntimeError: If the input embeddings wrap the embedding that holds the weight (a
-            PEFT adapter on the embedding), whose lookup the head would not follow; the head
-            raises the same on a call once such a wrapper replaces the embedding.
+            PEFT adapter), whose lookup the head would not follow; so does a later call.
 
     Added in version v3.58.0.
 
