@@ -496,6 +496,32 @@ def test_load_state_dict_takes_a_head_weight_as_the_stock_model_does(
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
 
 
+def test_load_state_dict_compares_the_head_weight_in_the_embeddings_dtype(build: Callable) -> None:
+    """A head saved in another dtype, or on meta (no values, as for assign=True), is dropped."""
+    stock, model, head = stock_and_tied(build)
+    checkpoint = stock.state_dict()
+    checkpoint["lm_head.weight"] = checkpoint["lm_head.weight"].to(torch.float64)
+    model.load_state_dict(checkpoint)
+    assert_tied(model, head)
+    checkpoint["lm_head.weight"] = checkpoint["lm_head.weight"] + 1e-12  # float32 cannot hold
+    with pytest.raises(ValueError, match="differs"):
+        model.load_state_dict(checkpoint)
+    meta = {
+        key: torch.empty_like(value, device="meta") for key, value in stock.state_dict().items()
+    }
+    model.load_state_dict(meta, assign=True)
+    assert_tied(model, head)
+    assert head.weight.is_meta
+    model.load_state_dict(
+        {**stock.state_dict(), "lm_head.weight": meta["lm_head.weight"]}, assign=True
+    )
+    assert_tied(model, head)
+    assert not head.weight.is_meta
+    shorter = {**meta, "lm_head.weight": meta["lm_head.weight"][:-1]}
+    with pytest.raises(ValueError, match="differs"):
+        model.load_state_dict(shorter, assign=True)
+
+
 def test_a_head_in_a_sub_model_takes_its_prefixed_checkpoint_key() -> None:
     torch.manual_seed(0)
     stock = Wrapped(llama().config)

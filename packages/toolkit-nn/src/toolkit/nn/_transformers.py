@@ -191,7 +191,7 @@ def _load_head_key(
         return
     if embedding_key not in state_dict:
         state_dict[embedding_key] = state_dict.pop(head_key)
-    elif torch.equal(state_dict[head_key], state_dict[embedding_key]):
+    elif _same_values(state_dict[head_key], state_dict[embedding_key]):
         del state_dict[head_key]
     else:
         raise ValueError(
@@ -199,6 +199,13 @@ def _load_head_key(
             f"{type(module).__name__}'s head is tied to its input embeddings, which hold one "
             "weight; load it into a model built with tie_word_embeddings=False, not tied"
         )
+
+
+def _same_values(head: torch.Tensor, embedding: torch.Tensor) -> bool:
+    """Whether ``head`` holds ``embedding``'s values, in its dtype; meta tensors hold none."""
+    if head.is_meta or embedding.is_meta:
+        return head.shape == embedding.shape
+    return torch.equal(head.to(embedding.dtype), embedding)
 
 
 def _tie_weights(
