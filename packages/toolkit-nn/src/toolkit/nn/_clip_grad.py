@@ -50,7 +50,8 @@ def clip_grad_norm_(
 
     Raises:
         ValueError: On every rank of its mesh, if a DTensor has a gradient on some ranks
-            and None on others; give it one on every rank (zeros) or on none.
+            and None on others (give it one on every rank, zeros, or on none), or if the
+            ranks pass different numbers of its DTensors (pass ``model.parameters()``).
         RuntimeError: If ``error_if_nonfinite`` is set and the total norm is not finite, or
             ``foreach=True`` and a gradient's device has no foreach kernels, as torch's.
             After the ValueError or the non-finite refusal no gradient has changed.
@@ -139,6 +140,10 @@ def mesh_norm(
     anchor = first.to_local()  # type: ignore[union-attr]
     mesh = first.device_mesh  # type: ignore[union-attr]
     grads = [p.grad for p in group]
+    counts = anchor.new_tensor([len(group), -len(group)], dtype=torch.int64)
+    all_reduce(mesh, counts, dist.ReduceOp.MAX)
+    if counts[0] != -counts[1]:
+        raise ValueError(_UNEQUAL)
     flags = anchor.new_tensor(
         [[int(g is not None) for g in grads], [int(g is None) for g in grads]]
     )
@@ -219,6 +224,13 @@ def _missing(param: torch.Tensor) -> str:
         "whole nor absent. Give it a gradient on every rank (zeros where a rank has none: "
         "param.grad = torch.zeros_like(param)) or on none (param.grad = None)"
     )
+
+
+_UNEQUAL = (
+    "clip_grad_norm_: the ranks of a device mesh passed different numbers of DTensor "
+    "parameters on it. Pass the same parameters on every rank, such as model.parameters(), "
+    "not a list filtered by p.grad is not None"
+)
 
 
 def check_finite(total: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> None:
