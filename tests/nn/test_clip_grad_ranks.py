@@ -441,3 +441,65 @@ def test_pipeline_clipping_of_a_dtensor_gradient_on_some_replicas_only_is_refuse
     assert results[0][0] == results[1][0]
     for _, grad in results:
         torch.testing.assert_close(grad, torch.tensor([3.0, 4.0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, INF])
+def test_half_precision_gradients_are_combined_without_overflow_as_torch(
+    dtype: torch.dtype, norm_type: float
+) -> None:
+    # Each shard's squares sum past float16's largest value (65504); the total norm does not.
+    full_grad = torch.linspace(-300.0, 290.0, 7).to(dtype)
+    expected_norm, (expected,) = expected_clip([full_grad], 1.0, norm_type)
+    assert expected_norm.dtype == dtype
+    assert expected_norm.isfinite()
+
+    def rank_main(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mesh = init_device_mesh("cpu", (2,))
+
+        def shard(tensor: torch.Tensor) -> DTensor:
+            local = tensor[:4] if rank == 0 else tensor[4:]  # rows 4 + 3 of 7
+            return DTensor.from_local(local.clone(), mesh, [Shard(0)], shape=(7,), stride=(1,))
+
+        weight = nn.Parameter(shard(torch.zeros(7, dtype=dtype)))
+        weight.grad = shard(full_grad)
+        norm = clip_grad_norm_([weight], 1.0, norm_type)
+        return norm, weight.grad.full_tensor()
+
+    for norm, grad in run_threads(2, rank_main):
+        assert norm.dtype == dtype
+        torch.testing.assert_close(norm, expected_norm)
+        torch.testing.assert_close(grad, expected)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "count"), [(torch.float32, 2), (torch.bfloat16, 257)], ids=["few", "many"]
+)
+def test_ranks_passing_different_dtensor_parameters_are_refused_on_each(
+    dtype: torch.dtype, count: int
+) -> None:
+    # The common [p for p in params if p.grad is not None], where a DTensor has a gradient on
+    # rank 0 only: rank 1 passes one parameter fewer. (bfloat16 cannot tell 257 from 256.)
+
+    def rank_main(rank: int) -> tuple[str, list[torch.Tensor]]:
+        mesh = init_device_mesh("cpu", (2,))
+        params = []
+        for _ in range(count):
+            local = torch.ones(1, dtype=dtype)
+            param = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)]))
+            param.grad = DTensor.from_local(local * 3.0, mesh, [Shard(0)])
+            params.append(param)
+        if rank == 1:
+            params[0].grad = None
+        passed = [p for p in params if p.grad is not None]
+        with pytest.raises(
+            ValueError, match=r"different numbers.*model\.parameters\(\).*p\.grad is not None"
+        ) as raised:
+            clip_grad_norm_(passed, 1.0)
+        return str(raised.value), [p.grad.to_local() for p in passed]  # type: ignore[union-attr]
+
+    results = run_threads(2, rank_main)
+    assert results[0][0] == results[1][0]
+    for _, grads in results:
+        for grad in grads:
+            torch.testing.assert_close(grad, torch.full((1,), 3.0, dtype=dtype))

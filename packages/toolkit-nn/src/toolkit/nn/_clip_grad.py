@@ -30,10 +30,10 @@ def clip_grad_norm_(
 
     The same arguments, result and in-place scaling as torch's, for plain tensors and
     DTensors on any meshes (FSDP2 on ``dp``, FSDP2 with TP on ``(dp, tp)``) in one call,
-    which torch's cannot combine (pytorch#180346). On each mesh the ranks agree on which
-    DTensors have a gradient, then combine the norms of their local shards (a replicated
-    shard counted once, empty shards left out): two all-reduces per mesh dimension. A
-    plain tensor's gradient is this rank's, as in torch, and is not communicated.
+    which torch's cannot combine (pytorch#180346). Every rank of a mesh must pass the same
+    parameters, as for torch's. The ranks combine the norms of their local shards (a
+    replicated shard counted once, empty ones left out) in at least float32. A plain
+    tensor's gradient is this rank's, as in torch, and is not communicated.
 
     Args:
         parameters: A tensor or an iterable of tensors whose gradients are clipped.
@@ -45,13 +45,13 @@ def clip_grad_norm_(
 
     Returns:
         The total norm before clipping, a plain tensor of the gradients' promoted dtype: the
-        whole model's, the same on every rank of the meshes when the plain tensors'
-        gradients are the same there (as after DDP). A DTensor without a gradient on any
-        rank takes no part.
+        whole model's, the same on every rank when the plain tensors' gradients are (as
+        after DDP). A DTensor without a gradient on any rank takes no part.
 
     Raises:
         ValueError: On every rank of its mesh, if a DTensor has a gradient on some ranks
-            and None on others; give it one on every rank (zeros) or on none.
+            and None on others (give it one on every rank, zeros, or on none), or if the
+            ranks pass different numbers of its DTensors (pass ``model.parameters()``).
         RuntimeError: If ``error_if_nonfinite`` is set and the total norm is not finite, or
             ``foreach=True`` and a gradient's device has no foreach kernels, as torch's.
             After the ValueError or the non-finite refusal no gradient has changed.
@@ -140,6 +140,10 @@ def mesh_norm(
     anchor = first.to_local()  # type: ignore[union-attr]
     mesh = first.device_mesh  # type: ignore[union-attr]
     grads = [p.grad for p in group]
+    counts = anchor.new_tensor([len(group), -len(group)], dtype=torch.int64)
+    all_reduce(mesh, counts, dist.ReduceOp.MAX)
+    if counts[0] != -counts[1]:
+        raise ValueError(_UNEQUAL)
     flags = anchor.new_tensor(
         [[int(g is not None) for g in grads], [int(g is None) for g in grads]]
     )
@@ -162,6 +166,8 @@ def mesh_norm(
         shards.append(shard)
     mine = [s for s in shards if s is not None]
     infinite = math.isinf(norm_type)
+    dtype = functools.reduce(torch.promote_types, [p.dtype for p in group])
+    wide = torch.promote_types(dtype, torch.float32)  # a float16 part's square overflows
     if norm_type == 0:
         # torch's 0-"norm" counts the gradients with a nonzero element: count each over the mesh.
         zero = anchor.new_tensor(False)
@@ -173,9 +179,8 @@ def mesh_norm(
         part = vector_norm(mine, norm_type, foreach)
         values = (part.copysign(norm_type) if mine else part.new_tensor(-math.inf))[None]
     else:
-        values = vector_norm(mine, norm_type, foreach).pow(norm_type)[None]  # the sums add
-    dtype = functools.reduce(torch.promote_types, [p.dtype for p in group])
-    parts = anchor.new_zeros(len(values) + 1, dtype=dtype)
+        values = vector_norm(mine, norm_type, foreach).to(wide).pow(norm_type)[None]  # sums add
+    parts = anchor.new_zeros(len(values) + 1, dtype=wide)
     parts.copy_(torch.cat([values, values.isnan().any()[None]]))
     all_reduce(mesh, parts, dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM)
     if norm_type == 0:
@@ -184,7 +189,7 @@ def mesh_norm(
         norm = parts[0].abs()
     else:
         norm = parts[0].pow(1.0 / norm_type)
-    return torch.where(parts[-1] > 0, math.nan, norm)
+    return torch.where(parts[-1] > 0, math.nan, norm).to(dtype)
 
 
 def vector_norm(
@@ -219,6 +224,13 @@ def _missing(param: torch.Tensor) -> str:
         "whole nor absent. Give it a gradient on every rank (zeros where a rank has none: "
         "param.grad = torch.zeros_like(param)) or on none (param.grad = None)"
     )
+
+
+_UNEQUAL = (
+    "clip_grad_norm_: the ranks of a device mesh passed different numbers of DTensor "
+    "parameters on it. Pass the same parameters on every rank, such as model.parameters(), "
+    "not a list filtered by p.grad is not None"
+)
 
 
 def check_finite(total: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> None:
