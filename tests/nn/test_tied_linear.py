@@ -299,6 +299,20 @@ class _Holder:
         self.weight = torch.randn(7, 3)
 
 
+class _AnsweringParameters(dict):  # type: ignore[type-arg]
+    """A ``_parameters`` mapping that answers ``weight`` itself, as DeepSpeed ZeRO-3's does
+    for a partitioned parameter that it gathers when it is read."""
+
+    def __getitem__(self, key: str) -> Any:
+        value = super().__getitem__(key)
+        return -value if key == "weight" else value
+
+
+def _answering_parameters(head: TiedLinear) -> None:
+    module = head.tied_module
+    module._parameters = _AnsweringParameters(module._parameters)
+
+
 def _become(cls: type[nn.Module]) -> Callable[[TiedLinear], None]:
     def change(head: TiedLinear) -> None:
         if cls is _GetattrOverParameter:
@@ -338,6 +352,7 @@ CHANGES: dict[str, Callable[[TiedLinear], None]] = {
     "another plain module": lambda head: setattr(head, "tied_module", nn.Linear(3, 7)),
     "not a module": lambda head: setattr(head, "tied_module", _Holder()),
     "to meta": lambda head: head.tied_module.to("meta"),
+    "_parameters answering itself": _answering_parameters,
 }
 
 

@@ -346,7 +346,9 @@ def _resolves_weight_plainly(module: nn.Module, dicts: tuple[Mapping[str, object
     calls ``__getattr__``, which ``Module`` implements by reading ``_parameters``,
     ``_buffers`` and ``_modules``. A type that overrides ``__getattribute__`` or
     ``__getattr__`` may return anything. A parametrization swaps the module's class for a
-    generated one with a ``weight`` property. All of these can change after TiedLinear is
+    generated one with a ``weight`` property. A ``_parameters`` mapping other than a dict
+    (DeepSpeed ZeRO-3's, which gathers a partitioned parameter as it is read) may answer
+    ``weight`` itself. All of these can change after TiedLinear is
     built (``__class__`` or ``__bases__`` assigned, ``weight`` or ``__getattr__`` set on a
     class, ``weight`` in the instance ``__dict__``), so this is asked on every call. ``dicts``
     are the ``__dict__`` of each class in the module's MRO, live views: the caller checks
@@ -357,6 +359,8 @@ def _resolves_weight_plainly(module: nn.Module, dicts: tuple[Mapping[str, object
         cls.__getattribute__ is _OBJECT_GETATTRIBUTE
         and cls.__getattr__ is _MODULE_GETATTR
         and "weight" not in module.__dict__
+        # A mapping of its own (a dict subclass) may answer ``weight`` itself.
+        and type(module._parameters) is dict
     ):
         return False
     for names in dicts:  # noqa: SIM110 - a loop, faster than all() over a generator
