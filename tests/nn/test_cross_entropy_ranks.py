@@ -267,26 +267,87 @@ def test_a_replicated_weight_gives_the_loss_and_gradients_of_one_process(
 def test_rank_local_tokens_on_a_vocabulary_shard_are_refused_on_every_rank() -> None:
     """Under sequence parallelism each rank's slice of the hidden states with its slice of the
     targets would mix different tokens' statistics: refused on every rank, naming the fix,
-    before any gradient is computed. Ranks with the same tokens are taken."""
+    before any gradient is computed, whether the chunk differs too or not. Ranks with the same
+    tokens are taken."""
     weight, x, target, _ = _case(17, 2)
 
-    def rank_main(rank: int) -> tuple[str, str, Any]:
+    def rank_main(rank: int) -> tuple[list[str], Any]:
         head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
         messages = []
-        for tokens in (slice(rank * 2, rank * 2 + 2), slice(0, 2 + rank)):  # values, counts
+        values, counts = slice(rank * 2, rank * 2 + 2), slice(0, 2 + rank)
+        for tokens, chunk in ((values, None), (counts, None), (counts, 2)):
             leaf = x[:, tokens].clone().requires_grad_()
             with pytest.raises(ValueError, match="every rank") as info:
-                head.cross_entropy(leaf, target[:, tokens])
+                head.cross_entropy(leaf, target[:, tokens], chunk_size=chunk)
             assert leaf.grad is None
             messages.append(str(info.value))
         head.cross_entropy(x, target).backward()  # the same tokens: taken
-        return messages[0], messages[1], head.tied_module.weight.grad
+        return messages, head.tied_module.weight.grad
 
-    for by_values, by_counts, grad in run_threads(2, rank_main):
+    for messages, grad in run_threads(2, rank_main):
         assert grad is not None
-        for message in (by_values, by_counts):
+        by_values = messages[0]
+        for message in messages:
             assert message.startswith("TiedLinear.cross_entropy on a vocabulary-sharded weight")
             assert message.endswith("and the whole targets on every rank.")
             assert "same tokens and targets on every rank" in message
             assert "DTensor sharded on the sequence (Shard(1)" in message
         assert "this rank has 4 tokens" in by_values
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"chunk_size": 2}, "chunk_size (2 here) differ"),  # 2 + rank
+        ({"ignore_index": -100}, "ignore_index (-100 here) differ"),  # -100 - rank
+        ({"chunk_size": 2, "ignore_index": -100}, "chunk_size (2 here) and ignore_index (-100 "),
+    ],
+)
+def test_a_different_chunk_or_ignore_index_on_a_vocabulary_shard_is_refused_on_every_rank(
+    options: dict[str, int], named: str
+) -> None:
+    """Another chunk would make all-reduces of other sizes (a hang), another ignore_index
+    another loss: refused on every rank, naming what differs, before any gradient. The
+    options of rank 0 are named on rank 0; the chunk is also refused with different targets."""
+    weight, x, target, _ = _case(17, 2)
+
+    def rank_main(rank: int) -> str:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        mine = {
+            key: value + rank * (1 if key == "chunk_size" else -1) for key, value in options.items()
+        }
+        leaf = x.clone().requires_grad_()
+        with pytest.raises(ValueError, match="every rank") as info:
+            head.cross_entropy(leaf, target.roll(rank), **mine)
+        assert leaf.grad is None
+        return str(info.value)
+
+    messages = run_threads(2, rank_main)
+    assert named in messages[0]
+    for message in messages:
+        assert message.startswith("TiedLinear.cross_entropy on a vocabulary-sharded weight")
+        assert "needs the same chunk_size and ignore_index on every rank" in message
+        assert message.endswith("pass the same ones on every rank.")
+        assert ("chunk_size (" in message) is ("chunk_size" in options)
+        assert ("ignore_index (" in message) is ("ignore_index" in options)
+
+
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+def test_on_a_vocabulary_shard_it_compiles_in_one_graph() -> None:
+    """Under torch.compile(fullgraph=True) the same-targets check is not made: the loss and
+    gradients are still those of one process."""
+    weight, x, target, _ = _case(17, 2)
+    expected = _reference(weight, x, target, torch.ones(()))
+
+    def rank_main(rank: int) -> list[Tensor]:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        compiled = torch.compile(
+            lambda x: head.cross_entropy(x, target, chunk_size=3), fullgraph=True, backend="eager"
+        )
+        leaf = x.clone().requires_grad_()
+        loss = compiled(leaf)
+        loss.backward()
+        return [loss.detach(), leaf.grad, head.tied_module.weight.grad.full_tensor()]
+
+    for result in run_threads(2, rank_main):
+        torch.testing.assert_close(result, expected)

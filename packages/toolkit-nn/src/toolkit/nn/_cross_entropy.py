@@ -621,29 +621,50 @@ def _scale_saved(
     )
 
 
-def _check_same_targets(target: torch.Tensor, shard: VocabShard) -> None:
-    """Raise, on every rank of the shard's group, unless all have the same targets.
+def _agree(mine: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """Per entry of ``mine``, whether every rank of the shard's group has the same value.
+
+    The maximum of ``v`` and of ``-v`` over the group agree only if every rank has the same ``v``.
+    """
+    spread = _all_reduce(torch.cat([mine, -mine]), shard, torch.distributed.ReduceOp.MAX)
+    return spread[: len(mine)] == -spread[len(mine) :]
+
+
+def _check_same_call(target: torch.Tensor, shard: VocabShard, chunk: int, ignore: int) -> None:
+    """Raise, on every rank of the shard's group, unless all have the same targets and options.
 
     The per-token statistics of the ranks are summed: a rank with other tokens (under sequence
-    parallelism, its own slice) would mix them silently. The maximum of ``v`` and of ``-v``
-    over the group agree only if every rank has the same ``v``: first the number of tokens,
-    so that the second all-reduce has one size on every rank, then the targets, which are
-    smaller than the per-token statistics the loss exchanges.
+    parallelism, its own slice) would mix them silently, another chunk would make all-reduces
+    of other sizes (a hang), another ``ignore_index`` another loss. First the number of tokens,
+    the chunk and ``ignore_index``, so that the second all-reduce has one size on every rank,
+    then the targets. Not made under ``torch.compile``, where it would break the graph.
     """
+    if torch.compiler.is_compiling():
+        return
     flat = target.reshape(-1)
-    count = flat.new_tensor([flat.numel()])
-    for mine in (count, flat):
-        spread = _all_reduce(torch.cat([mine, -mine]), shard, torch.distributed.ReduceOp.MAX)
-        if not torch.equal(spread[: len(mine)], -spread[len(mine) :]):
-            raise ValueError(
-                f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same tokens "
-                f"and targets on every rank of the tensor-parallel group, but the ranks' "
-                f"targets differ (this rank has {flat.numel()} tokens): each rank's rows of "
-                "the vocabulary give a part of every token's statistics, which are summed "
-                "across ranks. Under sequence parallelism pass the hidden states as a DTensor "
-                "sharded on the sequence (Shard(1), as TiedLinearParallel's input) and the "
-                "whole targets on every rank."
-            )
+    options = (flat.numel(), chunk, ignore)
+    same = _agree(flat.new_tensor(options), shard)
+    if same[0] and not same.all():  # a different count is said below, as different tokens
+        differ = " and ".join(
+            f"{name} ({options[i]} here)"
+            for i, name in ((1, "chunk_size"), (2, "ignore_index"))
+            if not same[i]
+        )
+        raise ValueError(
+            f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same chunk_size "
+            f"and ignore_index on every rank of the tensor-parallel group, but the ranks' "
+            f"{differ} differ: pass the same ones on every rank."
+        )
+    if not (same[0] and _agree(flat, shard).all()):
+        raise ValueError(
+            f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same tokens "
+            f"and targets on every rank of the tensor-parallel group, but the ranks' "
+            f"targets differ (this rank has {flat.numel()} tokens): each rank's rows of "
+            "the vocabulary give a part of every token's statistics, which are summed "
+            "across ranks. Under sequence parallelism pass the hidden states as a DTensor "
+            "sharded on the sequence (Shard(1), as TiedLinearParallel's input) and the "
+            "whole targets on every rank."
+        )
 
 
 def linear_cross_entropy(
@@ -663,8 +684,9 @@ def linear_cross_entropy(
 
     With ``shard``, ``weight`` is this rank's rows of the vocabulary and the loss and x's
     gradient are those of the whole vocabulary, reduced over the shard's group; every rank
-    must have the same targets (compared first, a ``ValueError`` on every rank otherwise),
-    and the default chunk comes from the whole vocabulary.
+    must have the same targets, ``chunk_size`` and ``ignore_index`` (compared first, a
+    ``ValueError`` on every rank otherwise; not under ``torch.compile``), and the default chunk
+    comes from the whole vocabulary.
 
     The logits are widened to float32 from bfloat16 and float16, and soft-capped. The loss
     has the accumulation dtype: float32 when the products run in bfloat16 or float16,
@@ -675,13 +697,13 @@ def linear_cross_entropy(
     _check_arguments(x, weight, target, reduction, label_smoothing, z_loss, softcap, chunk_size)
     mm = _product_dtype(x, weight)
     target = target.long()
-    if shard is not None:
-        _check_same_targets(target, shard)
     # From the whole vocabulary, so that every rank of a shard takes the same chunks and its
     # all-reduces have the same sizes, whatever rows it has.
     chunk = chunk_size or default_chunk_size(
         target.numel(), weight.shape[0] if shard is None else shard.vocab, _accumulation_dtype(mm)
     )
+    if shard is not None:
+        _check_same_call(target, shard, chunk, ignore_index)
     o = _Options(
         ignore_index,
         reduction,

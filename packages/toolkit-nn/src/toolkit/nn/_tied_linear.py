@@ -234,7 +234,7 @@ class TiedLinear:
             The loss: a scalar, or per token for ``reduction="none"``.
 
         Raises:
-            ValueError: If an argument is invalid, the shapes or a shard's ranks' targets differ.
+            ValueError: If an argument is invalid, the shapes, or a shard's ranks' arguments differ.
             TypeError: If ``target`` is not integer, or ``x`` not of the weight's dtype.
             IndexError: If a counted target is outside ``[0, out_features)`` (on the CPU).
             RuntimeError: If the weight is a DTensor it cannot take, or under forward-mode AD
