@@ -438,7 +438,16 @@ def test_pipeline_clipping_of_a_dtensor_gradient_on_some_replicas_only_is_refuse
         return str(raised.value), bias.grad
 
     results = run_threads(2, rank_main)
-    assert results[0][0] == results[1][0]
+    assert (
+        results[0][0]
+        == results[1][0]
+        == (  # the one whole-message check of this error
+            "clip_grad_norm_: a DTensor parameter of shape (5,) has a gradient on some ranks of "
+            "its device mesh and None on others, so its gradient is neither whole nor absent. "
+            "Give it a gradient on every rank (zeros where a rank has none: param.grad = "
+            "torch.zeros_like(param)) or on none (param.grad = None)"
+        )
+    )
     for _, grad in results:
         torch.testing.assert_close(grad, torch.tensor([3.0, 4.0]))
 

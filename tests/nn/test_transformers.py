@@ -248,6 +248,8 @@ def test_cross_entropy_gives_the_model_loss_without_the_logits(build: Callable) 
     hook.remove()
     assert seen == []  # the linear never ran: no logits were made
     torch.testing.assert_close(loss, expected)
+    per_token = head.cross_entropy(hidden[:, :-1], labels[:, 1:], reduction="none")
+    assert per_token.shape == labels[:, 1:].shape
     loss.backward()
     stock_grad = stock.get_input_embeddings().weight.grad
     torch.testing.assert_close(model.get_input_embeddings().weight.grad, stock_grad)
@@ -418,7 +420,13 @@ def test_an_adapter_wrapping_the_embedding_after_the_tie_is_refused_on_every_cal
     ids = tokens()
     with pytest.raises(RuntimeError, match=r"^LlamaModel's input embeddings are a Adapted") as info:
         model(ids)
-    assert str(info.value).endswith(ADAPTER_FIX)
+    assert str(info.value) == (  # the one whole-message check of this error
+        "LlamaModel's input embeddings are a Adapted that wraps the embedding the tied head "
+        "reads (a PEFT adapter on the embedding, such as LoRA, trainable tokens or "
+        "modules_to_save), so the lookup and the head would not use the same weight; train "
+        "such an adapter on the stock model, without tie_output_embeddings, or leave the "
+        "embedding out of the adapter's modules"
+    )
     hidden = torch.randn(2, 7, 16)
     with pytest.raises(RuntimeError, match=ADAPTER_FIX):
         head.cross_entropy(hidden, ids)
