@@ -301,6 +301,59 @@ def test_a_partial_dtensor_gradient_counts_its_sum_over_the_mesh() -> None:
         torch.testing.assert_close(grad, expected)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+def test_a_plain_parameter_with_a_dtensor_gradient_is_reduced_over_the_gradients_mesh(
+    norm_type: float,
+) -> None:
+    full = torch.tensor([1.0, -5.0, 2.0, 4.0, -3.0])
+    expected_norm, (expected,) = expected_clip([full], 1.0, norm_type)
+
+    def rank_main(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = nn.Parameter(torch.zeros(5))  # plain, as left by hand-written sharding
+        local = full[:3] if rank == 0 else full[3:]
+        weight.grad = DTensor.from_local(local, mesh, [Shard(0)], shape=(5,), stride=(1,))
+        norm = clip_grad_norm_([weight], 1.0, norm_type)
+        return norm, weight.grad.full_tensor()
+
+    for norm, grad in run_threads(2, rank_main):
+        torch.testing.assert_close(norm, expected_norm)
+        torch.testing.assert_close(grad, expected)
+
+
+def test_probe_a_sharded_partial_gradient_has_the_same_norm_with_every_dimension_replicated() -> (
+    None
+):
+    """PROBE for the equivalent-list entry of ``replicated_partial``, not a behaviour.
+
+    A gradient sharded on one mesh dimension and partial on the other is made whole on the
+    partial one only; replicating the sharded dimension too (the listed mutant) gives every
+    rank the whole gradient, which the norm counts once all the same: only more communication.
+    """
+    full = torch.arange(-6.0, 6.0).reshape(4, 3)
+    expected_norm, (expected,) = expected_clip([full], 1.0, 2.0)
+
+    def rank_main(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mesh = init_device_mesh("cpu", (2, 2))
+        dp, tp = mesh.get_coordinate()  # type: ignore[misc]
+        local = full[2 * dp : 2 * dp + 2] * (tp + 1) / 3  # sums to the rows over tp
+        results = []
+        for whole in (False, True):
+            weight = nn.Parameter(torch.zeros(4, 3))
+            grad = DTensor.from_local(
+                local.clone(), mesh, [Shard(0), Partial()], shape=(4, 3), stride=(3, 1)
+            )
+            weight.grad = grad.redistribute(mesh, [Replicate(), Replicate()]) if whole else grad
+            norm = clip_grad_norm_([weight], 1.0)
+            results.append((norm, weight.grad.full_tensor()))
+        return results
+
+    for results in run_threads(4, rank_main):
+        for norm, grad in results:
+            torch.testing.assert_close(norm, expected_norm)
+            torch.testing.assert_close(grad, expected)
+
+
 def test_plain_tensors_are_this_ranks_and_take_no_part_in_the_reduction() -> None:
     # A plain tensor's gradient is the rank's own, as in torch's clip_grad_norm_: the total is
     # the same on every rank when the plain gradients are (as after DDP), not otherwise.
