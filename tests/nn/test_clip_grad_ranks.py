@@ -372,9 +372,10 @@ def test_plain_tensors_are_this_ranks_and_take_no_part_in_the_reduction() -> Non
     torch.testing.assert_close(norms[1], torch.tensor(5.0))
 
 
+@pytest.mark.parametrize("norm_type", [2.0, INF])
 @pytest.mark.parametrize("rows", [0, 2], ids=["empty", "nonempty"])
 def test_foreach_true_with_gradients_where_foreach_kernels_are_missing_is_refused_as_torch(
-    rows: int,
+    rows: int, norm_type: float
 ) -> None:
     # foreach=True is honoured for the norm and for the scaling, as in torch: a gradient on a
     # device without foreach kernels (meta here) is refused, even when its shard is empty and
@@ -382,7 +383,7 @@ def test_foreach_true_with_gradients_where_foreach_kernels_are_missing_is_refuse
     weight = nn.Parameter(torch.zeros(2, device="meta"))
     weight.grad = torch.ones(2, device="meta")
     with pytest.raises(RuntimeError, match=r"foreach=True") as info:
-        torch.nn.utils.clip_grad_norm_([weight], 1.0, foreach=True)
+        torch.nn.utils.clip_grad_norm_([weight], 1.0, norm_type, foreach=True)
 
     def rank_main(rank: int) -> str:
         mesh = init_device_mesh("cpu", (2,))
@@ -391,7 +392,7 @@ def test_foreach_true_with_gradients_where_foreach_kernels_are_missing_is_refuse
         meta = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
         meta.grad = DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False)
         with pytest.raises(RuntimeError, match=r"foreach=True") as ours:
-            clip_grad_norm_([frozen, meta], 1.0, foreach=True)
+            clip_grad_norm_([frozen, meta], 1.0, norm_type, foreach=True)
         return str(ours.value)
 
     assert run_threads(2, rank_main) == [str(info.value)] * 2
@@ -481,13 +482,15 @@ def test_pipeline_clipping_of_a_dtensor_gradient_on_some_replicas_only_is_refuse
             local = torch.ones(3 - rank)  # rows 3 + 2 of 5
             return DTensor.from_local(local, mesh["dp"], [Shard(0)], shape=(5,), stride=(1,))
 
+        whole = nn.Parameter(DTensor.from_local(torch.ones(1), mesh["dp"], [Replicate()]))
+        whole.grad = torch.ones_like(whole)  # on every rank: named by no refusal
         weight = nn.Parameter(shard())
         bias = nn.Parameter(torch.zeros(2))
         bias.grad = torch.tensor([3.0, 4.0])
         if rank == 0:
             weight.grad = shard()
         with pytest.raises(ValueError, match=r"\(5,\)") as raised:
-            pipeline_clip_grad_norm_([weight, bias], 1.0, group=mesh["pp"])
+            pipeline_clip_grad_norm_([whole, weight, bias], 1.0, group=mesh["pp"])
         return str(raised.value), bias.grad
 
     results = run_threads(2, rank_main)

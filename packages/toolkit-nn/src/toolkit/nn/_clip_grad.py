@@ -159,8 +159,8 @@ def mesh_norm(
         shard = None
         if grad is not None:
             whole = replicated_partial(grad)
-            placements = zip(whole.placements, coordinate, strict=True)  # type: ignore[attr-defined]
-            copy = any(c for p, c in placements if p.is_replicate())
+            # A copy: replicated on a mesh dimension where this rank is not the first.
+            copy = any(p.is_replicate() and coordinate[i] for i, p in enumerate(whole.placements))  # type: ignore[attr-defined]
             local = whole.to_local()  # type: ignore[attr-defined]
             shard = None if copy or not local.numel() else local
         shards.append(shard)
