@@ -382,6 +382,14 @@ def test_a_head_that_cannot_be_tied_is_refused_and_the_model_left_alone(name: st
         tie_output_embeddings(model)
     assert all(fact in str(info.value) for fact in facts), str(info.value)
     assert str(info.value).endswith(facts[-1])
+    if name == "own-weight":  # the one whole-message check of this error
+        assert str(info.value) == (
+            "LlamaForCausalLM's output embeddings do not share the input embeddings' weight, "
+            "so the model's logits do not come from it and tying would change them: a model "
+            "loaded from a checkpoint with two different weights keeps its own head, and while "
+            "from_pretrained builds a model (its constructor, post_init) the two are tied only "
+            "after loading, so call tie_output_embeddings after from_pretrained returns"
+        )
     assert model.lm_head is head
     assert model._tied_weights_keys == keys
 
@@ -508,12 +516,11 @@ def test_load_state_dict_compares_the_head_weight_in_the_embeddings_dtype(build:
     """A head saved in another dtype, or on meta (no values, as for assign=True), is dropped."""
     stock, model, head = stock_and_tied(build)
     checkpoint = stock.state_dict()
-    checkpoint["lm_head.weight"] = checkpoint["lm_head.weight"].to(torch.float64)
+    # float64 values that differ from the embedding's by less than float32 can hold
+    checkpoint["lm_head.weight"] = checkpoint["lm_head.weight"].to(torch.float64) * (1 + 1e-12)
+    assert not torch.equal(checkpoint["lm_head.weight"], stock.lm_head.weight)
     model.load_state_dict(checkpoint)
     assert_tied(model, head)
-    checkpoint["lm_head.weight"] = checkpoint["lm_head.weight"] + 1e-12  # float32 cannot hold
-    with pytest.raises(ValueError, match="differs"):
-        model.load_state_dict(checkpoint)
     meta = {
         key: torch.empty_like(value, device="meta") for key, value in stock.state_dict().items()
     }
@@ -528,6 +535,14 @@ def test_load_state_dict_compares_the_head_weight_in_the_embeddings_dtype(build:
     shorter = {**meta, "lm_head.weight": meta["lm_head.weight"][:-1]}
     with pytest.raises(ValueError, match="differs"):
         model.load_state_dict(shorter, assign=True)
+
+
+def test_an_adapter_wrapping_the_embedding_of_a_sub_model_is_refused() -> None:
+    model = Wrapped(llama().config)
+    head = tie_output_embeddings(model)
+    model.lm.model.embed_tokens = Adapted(model.lm.model.embed_tokens)
+    with pytest.raises(RuntimeError, match=ADAPTER_FIX):
+        head(torch.randn(2, 16))
 
 
 def test_a_head_in_a_sub_model_takes_its_prefixed_checkpoint_key() -> None:

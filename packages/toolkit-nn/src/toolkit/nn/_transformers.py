@@ -238,11 +238,12 @@ def _drop_from_tp_plans(model: nn.Module, path: str) -> None:
 
     Each sub-model on the way to the head holds a plan whose keys are relative to it.
     """
-    for prefix, module in model.named_modules():
-        start = f"{prefix}." if prefix else ""
+    names = path.split(".")
+    for depth in range(len(names)):
+        module = model.get_submodule(".".join(names[:depth]))
         plan = getattr(module, "_tp_plan", None)
-        if path.startswith(start) and isinstance(plan, dict):
-            own = path[len(start) :]
+        if isinstance(plan, dict):
+            own = ".".join(names[depth:])
             module._tp_plan = {key: style for key, style in plan.items() if key != own}
 
 
