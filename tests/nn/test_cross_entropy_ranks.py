@@ -292,7 +292,14 @@ def test_rank_local_tokens_on_a_vocabulary_shard_are_refused_on_every_rank() -> 
             assert message.endswith("and the whole targets on every rank.")
             assert "same tokens and targets on every rank" in message
             assert "DTensor sharded on the sequence (Shard(1)" in message
-        assert "this rank has 4 tokens" in by_values
+        assert by_values == (  # the one whole-message check of this error
+            "TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same tokens and "
+            "targets on every rank of the tensor-parallel group, but the ranks' targets differ "
+            "(this rank has 4 tokens): each rank's rows of the vocabulary give a part of every "
+            "token's statistics, which are summed across ranks. Under sequence parallelism "
+            "pass the hidden states as a DTensor sharded on the sequence (Shard(1), as "
+            "TiedLinearParallel's input) and the whole targets on every rank."
+        )
 
 
 @pytest.mark.parametrize(
