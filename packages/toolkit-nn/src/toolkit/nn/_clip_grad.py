@@ -184,7 +184,7 @@ def mesh_norm(
     parts.copy_(torch.cat([values, values.isnan().any()[None]]))
     all_reduce(mesh, parts, dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM)
     if norm_type == 0:
-        norm = (parts[:-1] > 0).sum().to(dtype)
+        norm = (parts[:-1] > 0).sum()  # a count, given the gradients' dtype below
     elif infinite:
         norm = parts[0].abs()
     else:
