@@ -244,7 +244,7 @@ def _drop_from_tp_plans(model: nn.Module, path: str) -> None:
         plan = getattr(module, "_tp_plan", None)
         if isinstance(plan, dict):
             own = ".".join(names[depth:])
-            module._tp_plan = {key: style for key, style in plan.items() if key != own}
+            setattr(module, "_tp_plan", {key: s for key, s in plan.items() if key != own})  # noqa: B010
 
 
 def _untied_mappings(model: nn.Module, key: str) -> list[tuple[nn.Module, str, dict[str, Any]]]:
