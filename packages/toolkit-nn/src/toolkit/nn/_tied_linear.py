@@ -257,7 +257,7 @@ class TiedLinear:
             # A replicated weight is whole on every rank: its local tensor is the weight, and
             # to_local's backward gives its gradient the same placements.
             replicated = _is_replicated(weight)
-            shard = None if replicated else _vocab_shard(weight)
+            shard = _vocab_shard(weight)  # None for a replicated weight
             if not (replicated or shard) or resharded_by_fsdp(self.tied_module, weight):
                 raise dtensor_cross_entropy_error(self.tied_module, weight)
             weight = weight.to_local()  # type: ignore[attr-defined] # a DTensor here
