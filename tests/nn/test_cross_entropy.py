@@ -632,6 +632,34 @@ def test_a_chunk_holds_one_logits_sized_tensor_and_only_the_gradients_needed(
             assert not {(12, 2), (50, 2)} & set(mode.shapes)
 
 
+class _Dtypes(TorchDispatchMode):
+    """The (shape, dtype) of every tensor that operations return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: set[tuple[tuple[int, ...], torch.dtype]] = set()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, Tensor):
+                self.made.add((tuple(tensor.shape), tensor.dtype))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_inputs_gradient_is_kept_in_float32_for_float16_only(dtype: torch.dtype) -> None:
+    """float16 would flush a confident token's gradient before the loss scale; bfloat16 has
+    float32's range, so x's (12, 2) gradient buffer stays in bfloat16, at half the memory."""
+    x, weight, target = _inputs(12, 50, 2, dtype)
+    x.requires_grad_()
+    with _Dtypes() as mode:
+        linear_cross_entropy(x, weight, target, chunk_size=4)
+    assert (((12, 2), F32) in mode.made) == (dtype == torch.float16)
+
+
 @pytest.mark.parametrize(
     ("tokens", "vocab", "dtype", "chunk"),
     [
