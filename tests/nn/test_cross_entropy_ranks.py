@@ -264,6 +264,25 @@ def test_a_replicated_weight_gives_the_loss_and_gradients_of_one_process(
             assert "Replicate()), or the vocabulary sharded" in message
 
 
+def test_the_default_chunk_is_the_same_on_ranks_with_uneven_rows() -> None:
+    """33,555 rows split 16,778 + 16,777: the 64 MiB logits budget gives 999 and 1,000 tokens a
+    chunk if taken from each rank's rows. Taken from the whole vocabulary, every rank issues
+    the same all-reduces, and the loss is one process's."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(33_555, 1, generator=generator)
+    x = torch.randn(1001, 1, generator=generator)
+    target = torch.randint(0, 33_555, (1001,), generator=generator)
+    expected = F.cross_entropy(F.linear(x, weight), target)
+
+    def rank_main(rank: int) -> Tensor:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        with torch.no_grad():
+            return head.cross_entropy(x, target)
+
+    for loss in run_threads(2, rank_main):
+        torch.testing.assert_close(loss, expected)
+
+
 def test_rank_local_tokens_on_a_vocabulary_shard_are_refused_on_every_rank() -> None:
     """Under sequence parallelism each rank's slice of the hidden states with its slice of the
     targets would mix different tokens' statistics: refused on every rank, naming the fix,
