@@ -84,7 +84,8 @@ def run_threads(world_size: int, fn: Callable[[int], T]) -> list[T]:
 
     The threaded backend copies with ``copy_``, which casts: a broadcast or all_reduce whose
     ranks pass tensors of different dtypes or sizes would work here and fail, or give garbage,
-    on gloo or NCCL. Here it raises, as the rank's error.
+    on gloo or NCCL; so would a meta tensor, which it copies into as a no-op. Here each
+    raises, as the rank's error.
 
     Returns what each rank returned, in rank order. If any rank raises, every rank's
     collectives are released and the error of the rank that raised first is raised again,
@@ -149,12 +150,18 @@ def run_threads(world_size: int, fn: Callable[[int], T]) -> list[T]:
 def _matching(work: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
     """``work`` of a threaded collective, refusing ranks whose tensors a real backend refuses.
 
-    ``data`` holds each rank's tensors, by rank: they must agree in dtype and size.
+    ``data`` holds each rank's tensors, by rank: they must agree in dtype and size, and hold
+    data (not be on the meta device).
     """
     from torch.utils._pytree import tree_leaves  # noqa: PLC0415
 
     def checked(self: Any, data: Any) -> None:
         layouts = [[(t.dtype, t.numel()) for t in tree_leaves(ranks)] for ranks in data]
+        if any(t.is_meta for ranks in data for t in tree_leaves(ranks)):
+            raise RuntimeError(
+                f"a rank of a {type(self).__name__} passes a meta tensor, which has no data to "
+                "send or receive; gloo and NCCL refuse it"
+            )
         if any(layout != layouts[0] for layout in layouts):
             raise RuntimeError(
                 f"the ranks of a {type(self).__name__} pass tensors that differ in dtype or "

@@ -554,3 +554,32 @@ def test_a_rank_outside_the_ties_group_is_told_so() -> None:
         "the ranks of the group only, each with the group of its own pipeline, such as "
         'group=mesh["pp"]'
     )
+
+
+def test_a_rank_without_a_copy_keeps_its_buffers_on_the_models_device_under_a_meta_default() -> (
+    None
+):
+    """Three stages, the middle one without a copy, set up, summed and checked under
+    ``torch.device("meta")``: every buffer the tie makes is on the model's device, which the
+    collectives can send, not on the default one."""
+    stages = stages_of(0, 3)
+    expected = initial_state()["emb.weight"]
+
+    def rank_main(rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        stage = stages[rank]
+        if stage.emb is not None:
+            stage.emb.weight.data.add_(rank)
+            stage.emb.weight.grad = torch.ones_like(stage.emb.weight)
+        with torch.device("meta"):
+            tie = PipelineTie(stage)
+            tie.reduce_grads()
+            tie.check()
+        if stage.emb is None:
+            return None
+        return stage.emb.weight.detach().clone(), stage.emb.weight.grad.clone()
+
+    results = run_threads(3, rank_main)
+    assert results[1] is None
+    for weight, grad in (r for r in results if r is not None):
+        torch.testing.assert_close(weight, expected)
+        torch.testing.assert_close(grad, torch.full_like(expected, 2.0))

@@ -36,7 +36,7 @@ def test_threads_the_first_error_is_raised_and_the_next_run_starts_clean() -> No
 
 
 @pytest.mark.parametrize("collective", ["broadcast", "all_reduce"])
-@pytest.mark.parametrize("differ", ["dtype", "size"])
+@pytest.mark.parametrize("differ", ["dtype", "size", "meta"])
 def test_threads_refuse_a_collective_whose_ranks_pass_what_a_real_backend_cannot_combine(
     collective: str, differ: str
 ) -> None:
@@ -44,7 +44,8 @@ def test_threads_refuse_a_collective_whose_ranks_pass_what_a_real_backend_cannot
     # larger one; gloo and NCCL move bytes, so the harness refuses both.
     def rank_main(rank: int) -> None:
         dtype = torch.float64 if differ == "dtype" and rank == 1 else torch.float32
-        tensor = torch.ones(3 if differ == "size" and rank == 1 else 2, dtype=dtype)
+        device = "meta" if differ == "meta" and rank == 1 else "cpu"
+        tensor = torch.ones(3 if differ == "size" and rank == 1 else 2, dtype=dtype, device=device)
         if collective == "broadcast":
             dist.broadcast(tensor, src=0)
         else:
@@ -53,7 +54,7 @@ def test_threads_refuse_a_collective_whose_ranks_pass_what_a_real_backend_cannot
     with pytest.raises(RanksFailedError) as info:
         run_threads(2, rank_main)
     assert isinstance(info.value.__cause__, RuntimeError)
-    assert ("float64" if differ == "dtype" else "3)") in str(info.value)
+    assert {"dtype": "float64", "size": "3)", "meta": "meta tensor"}[differ] in str(info.value)
     assert run_threads(2, lambda rank: dist.broadcast(torch.ones(2), src=0)) == [None, None]
 
 
