@@ -50,7 +50,7 @@ def resharded_by_fsdp(tied_module: nn.Module, weight: torch.Tensor) -> bool:
     if not managed:
         return False
     tensor_parallel = getattr(tied_module, "_distribute_module_applied", None)
-    return not tensor_parallel or weight.device_mesh.ndim > 1  # type: ignore[attr-defined]
+    return weight.device_mesh.ndim > 1 or not tensor_parallel  # type: ignore[attr-defined]
 
 
 def _unprepared_input_error(tied_module: nn.Module, weight: torch.Tensor) -> RuntimeError:
