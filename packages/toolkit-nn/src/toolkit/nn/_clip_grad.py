@@ -93,11 +93,16 @@ def by_mesh(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     """
     groups: dict[Hashable, list[torch.Tensor]] = {}
     for param in params:
-        sharded = param if _is_dtensor(param) else param.grad
+        sharded = _placed(param)
         if sharded is not None:
             mesh = sharded.device_mesh if _is_dtensor(sharded) else None  # type: ignore[attr-defined]
             groups.setdefault(mesh, []).append(param)
     return list(groups.values())
+
+
+def _placed(param: torch.Tensor) -> torch.Tensor | None:
+    """What places ``param`` on a mesh: the parameter if a DTensor, else its gradient."""
+    return param if _is_dtensor(param) else param.grad
 
 
 def total_norm(
@@ -109,8 +114,7 @@ def total_norm(
     """
     norms = []
     for group in groups:
-        sharded = group[0] if _is_dtensor(group[0]) else group[0].grad
-        if _is_dtensor(sharded):
+        if _is_dtensor(_placed(group[0])):
             norm = mesh_norm(group, norm_type, foreach)
             if norm is not None:
                 norms.append(norm)
@@ -136,7 +140,7 @@ def mesh_norm(
     leaving out empty shards (which have no largest or smallest element), and the ranks'
     parts are combined (one more all-reduce per mesh dimension).
     """
-    first = group[0] if _is_dtensor(group[0]) else group[0].grad
+    first = _placed(group[0])
     anchor = first.to_local()  # type: ignore[union-attr]
     mesh = first.device_mesh  # type: ignore[union-attr]
     grads = [p.grad for p in group]
