@@ -618,6 +618,36 @@ def test_the_tensor_parallel_plan_no_longer_names_the_head() -> None:
     assert model.lm.tp_plan == {k: v for k, v in stock.lm.tp_plan.items() if k != "lm_head"}
 
 
+class Contained(LlamaPreTrainedModel):
+    """A model whose head sits two levels down, under a container that has no plan: ``outer.lm.lm_head``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.outer = nn.ModuleDict({"lm": LlamaForCausalLM(config)})
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.outer.lm.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.outer.lm.get_output_embeddings()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.outer.lm(ids).logits
+
+
+def test_a_head_under_a_container_without_a_plan_is_tied_and_dropped_from_the_sub_models_plan() -> None:
+    torch.manual_seed(0)
+    stock = Contained(llama().config)
+    assert "lm_head" in stock.outer.lm.tp_plan
+    model = copy.deepcopy(stock)
+    head = tie_output_embeddings(model)
+    assert model.outer.lm.lm_head is head
+    assert model.outer.lm.tp_plan == {k: v for k, v in stock.outer.lm.tp_plan.items() if k != "lm_head"}
+    ids = tokens()
+    torch.testing.assert_close(model(ids), stock(ids), rtol=0, atol=0)
+
+
 # Under FSDP2 on two ranks: threads, and gloo processes -------------------------------------
 
 
