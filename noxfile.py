@@ -229,6 +229,23 @@ def transformers_mixin(session: nox.Session) -> None:
     session.run("pytest", "tests/transformers_mixin", *session.posargs, env=env)
 
 
+@nox.session(python=PYTHON, default=False)
+def torchtitan(session: nox.Session) -> None:
+    """Train torchtitan's tied Qwen3 with pipeline parallelism: ``examples/torchtitan_pp.py``.
+
+    Runs ``tests/torchtitan``, which launch the recipe of ``docs/torchtitan.md`` on 2 and 4
+    gloo ranks and compare it with one process. Its own venv holds torchtitan and triton,
+    which torchtitan imports even on the CPU: about 2.5 GB with torch, so it is not a default
+    session; CI runs it. Arguments after ``--`` go to pytest.
+    """
+    install(session, "nn")
+    session.install("-c", str(CONSTRAINTS), "pytest", "hypothesis")
+    # Unconstrained but for torch: datasets, which torchtitan needs, caps fsspec below the pin.
+    (torch,) = (line for line in CONSTRAINTS.read_text().splitlines() if line.startswith("torch=="))
+    session.install(torch, *requirements("torchtitan"))
+    session.run("pytest", "tests/torchtitan", *session.posargs)
+
+
 @nox.session(venv_backend="none")
 def example(session: nox.Session) -> None:
     """Train the tiny tied language model of ``examples/`` on the CPU."""

@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
@@ -24,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.nn.ranks import crashed, loopback_interface
+from tests.torchrun import torchrun
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "parallel_3d.py"
 TIMEOUT = 300
@@ -39,37 +35,14 @@ def load_example() -> ModuleType:
     return module
 
 
-# torchrun's summary of a rank that died: "exitcode  : -11 (pid: 123)".
-EXIT_CODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
-
-
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Run the example once, as its docstring says; its output, status and report.
-
-    As in ``run_processes``, a launch in which a rank crashed in native code runs once more.
-    """
+    """Run the example once, as its docstring says; its output, status and report."""
     report = tmp_path_factory.mktemp("parallel-3d") / "report.json"
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-    }
-    loopback = loopback_interface()
-    if loopback is not None:
-        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "8", str(EXAMPLE), "--report", str(report)]
-    for _ in range(2):
-        done = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
-        )
-        output = done.stdout + done.stderr
-        if not any(crashed(int(code)) for code in EXIT_CODE.findall(output)):
-            break
+    done = torchrun(EXAMPLE, 8, "--report", str(report), timeout=TIMEOUT)
     return {
         "returncode": done.returncode,
-        "output": output,
+        "output": done.output,
         "ranks": json.loads(report.read_text()) if report.exists() else None,
     }
 

@@ -125,10 +125,11 @@ def test_only_the_uv_probe_message_is_dropped(noxfile: ModuleType) -> None:
     assert shown("uv binary not found. (and more)")
 
 
-def test_ci_runs_nox_then_the_incremental_mutation_run_on_python_3_11() -> None:
+def test_ci_runs_nox_the_torchtitan_session_then_the_incremental_mutation_run() -> None:
     script = (ROOT / ".ci" / "run").read_text()
     assert script.rstrip().endswith(
-        "\nTOOLKIT_PYTHON=3.11 nox\nTOOLKIT_PYTHON=3.11 nox -s mutation -- --incremental"
+        "\nTOOLKIT_PYTHON=3.11 nox\nTOOLKIT_PYTHON=3.11 nox -s torchtitan"
+        "\nTOOLKIT_PYTHON=3.11 nox -s mutation -- --incremental"
     )
     assert '-c constraints.txt "nox' in script
     assert os.access(ROOT / ".ci" / "run", os.X_OK)
