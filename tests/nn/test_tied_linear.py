@@ -287,6 +287,61 @@ class _PlainEmbedding(nn.Embedding):
     """A subclass that changes nothing about how ``weight`` is found."""
 
 
+_INSTANCE_DICT = vars(nn.Module)["__dict__"]  # the descriptor of the instance's own dict
+
+
+class _OwnDictOverParameter(nn.Embedding):
+    """A class whose ``__dict__`` is a view of its own, where ``_parameters`` holds another
+    ``weight``: ``Module.__getattr__`` reads the attributes through it."""
+
+    @property  # type: ignore[misc]
+    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+        return _shadow(_INSTANCE_DICT.__get__(self))  # type: ignore[attr-defined]
+
+
+def _shadow(real: dict[str, Any]) -> dict[str, Any]:
+    """The instance dict ``real`` with another ``weight`` in its ``_parameters``."""
+    weight = -real["_parameters"]["weight"]
+    return {**real, "_parameters": {**real["_parameters"], "weight": weight}}
+
+
+_REAL_DICTS: dict[int, dict[str, Any]] = {}  # by id: the instance dicts of the class below
+
+
+class _OutsideTheMroMeta(type):
+    """A metaclass whose classes have themselves alone as MRO: not even ``object``."""
+
+    def mro(cls) -> list[type]:
+        return [cls] if "alone" in vars(cls) else super().mro()
+
+
+class _WeightOutsideTheMro(nn.Embedding, metaclass=_OutsideTheMroMeta):
+    """A class attribute ``weight`` in a class whose MRO holds it alone; it resolves
+    attributes as ``nn.Module`` does and presents itself as one."""
+
+    alone = True
+    __getattribute__ = object.__getattribute__
+    __getattr__ = nn.Module.__getattr__
+    __class__ = property(lambda self: nn.Module)  # type: ignore[assignment]
+    weight = torch.full((7, 3), 2.0)  # type: ignore[assignment]
+
+
+class _OwnDictOutsideTheMro(nn.Embedding, metaclass=_OutsideTheMroMeta):
+    """A ``__dict__`` of the class's own, as in ``_OwnDictOverParameter``, in a class whose
+    MRO holds it alone; it resolves attributes as ``nn.Module`` does."""
+
+    alone = True
+    __getattribute__ = object.__getattribute__
+    __getattr__ = nn.Module.__getattr__
+    __class__ = property(lambda self: nn.Module)  # type: ignore[assignment]
+    __dict__ = property(lambda self: _shadow(_REAL_DICTS[id(self)]))  # type: ignore[assignment]
+
+
+def _own_dict_outside_the_mro(head: TiedLinear) -> None:
+    _REAL_DICTS[id(head.tied_module)] = head.tied_module.__dict__
+    head.tied_module.__class__ = _OwnDictOutsideTheMro
+
+
 class _Negate(nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return -weight
@@ -349,6 +404,9 @@ CHANGES: dict[str, Callable[[TiedLinear], None]] = {
     "__getattribute__": _become(_GetattributeOverParameter),
     "instance __dict__": lambda head: head.tied_module.__dict__.update(weight=torch.randn(7, 3)),
     "plain subclass": _become(_PlainEmbedding),
+    "a __dict__ of the class's own": _become(_OwnDictOverParameter),
+    "a class attribute in an MRO without object": _become(_WeightOutsideTheMro),
+    "a __dict__ of its own in an MRO without object": _own_dict_outside_the_mro,
     "another plain module": lambda head: setattr(head, "tied_module", nn.Linear(3, 7)),
     "not a module": lambda head: setattr(head, "tied_module", _Holder()),
     "to meta": lambda head: head.tied_module.to("meta"),

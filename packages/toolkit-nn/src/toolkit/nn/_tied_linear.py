@@ -329,6 +329,9 @@ def _missing_weight_error(tied_module: object) -> AttributeError:
 # counts as an override.
 _OBJECT_GETATTRIBUTE: object = object.__getattribute__
 _MODULE_GETATTR: object = nn.Module.__getattr__
+# What every class that gives its instances a __dict__ holds under that name.
+_DICT_SLOT: object = vars(nn.Module)["__dict__"]
+_SLOT_TYPE: type = type(_DICT_SLOT)
 
 
 def _class_lookup(
@@ -354,19 +357,21 @@ def _resolves_weight_plainly(module: nn.Module, dicts: tuple[Mapping[str, object
     are the ``__dict__`` of each class in the module's MRO, live views: the caller checks
     that the module's MRO is still the one they were taken from.
     """
-    cls = type(module)
     if not (
-        cls.__getattribute__ is _OBJECT_GETATTRIBUTE
-        and cls.__getattr__ is _MODULE_GETATTR
-        and "weight" not in module.__dict__
-        # A mapping of its own (a dict subclass) may answer ``weight`` itself.
-        and type(module._parameters) is dict
+        # __getattr__ first: a type without one (not a Module) fails here, loudly
+        type(module).__getattr__ is _MODULE_GETATTR
+        and type(module).__getattribute__ is _OBJECT_GETATTRIBUTE
     ):
         return False
-    for names in dicts:  # noqa: SIM110 - a loop, faster than all() over a generator
-        if "weight" in names:
+    for names in dicts:
+        # A class attribute named weight answers before the instance; a __dict__ of a class's
+        # own (not the instance dict's descriptor) decides what the checks below would read.
+        if "weight" in names or type(names.get("__dict__", _DICT_SLOT)) is not _SLOT_TYPE:
             return False
-    return True
+    state = module.__dict__
+    # A mapping of its own (a dict subclass) may answer ``weight`` itself; a module whose
+    # Module.__init__ never ran has none, and the attribute then raises as it does.
+    return "weight" not in state and type(state.get("_parameters")) is dict
 
 
 def _call_weight_error(module: nn.Module, weight: object) -> Exception:
