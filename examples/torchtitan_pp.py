@@ -13,11 +13,12 @@ broadcasts the first stage's embedding to the last.
 Three steps are trained, with a DCP save after the second and a resume into stages built
 afresh. Every rank then checks that the losses, the gradient norms and the weights are those
 of torchtitan's own tied model trained in one process, and that the resumed step 3 is step
-3; the script exits with status 1 if anything differs. ``--schedule`` picks the schedule
-(``1F1B``, the default, or ``GPipe``), ``--spmd-backend`` torchtitan's backend
-(``partial_dtensor``, the default, or ``spmd_types``, with pipeline parallelism alone);
-``--no-tie-reduction`` leaves out ``PipelineTie.reduce_grads()``, to show that the parity
-check then fails.
+3, and that torchtitan's own tied model loads the checkpoint; the script exits with status 1
+if anything differs. ``--schedule`` picks the schedule (``1F1B``, the default, or
+``GPipe``), ``--spmd-backend`` torchtitan's backend (``partial_dtensor``, the default, or
+``spmd_types``, with pipeline parallelism alone), ``--fsdp-reshard-after-forward``
+torchtitan's FSDP2 policy; ``--no-tie-reduction`` leaves out ``PipelineTie.reduce_grads()``,
+to show that the parity check then fails.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ PP = 2  # pipeline stages, one per rank of the pipeline
 LAYERS = 4  # of the debug model's 8, to keep the CPU run short
 BATCH, SEQ = 4, 16  # each data-parallel rank's batch: 4 microbatches of one sequence
 STEPS = 3
+RESHARD = ("default", "always", "never")  # torchtitan's fsdp_reshard_after_forward
 BACKENDS = ("partial_dtensor", "spmd_types")  # torchtitan's; its default, spmd_types, is second
 
 
@@ -132,6 +134,10 @@ def tie_stage(stage: nn.Module) -> nn.Module:
 def parallelize(stage: nn.Module, **kwargs: Any) -> nn.Module:  # noqa: ANN401
     """Apply torchtitan's ``parallelize_qwen3`` once the tie is registered in the stage."""
     stage = parallelize_qwen3(tie_stage(stage), **kwargs)
+    if isinstance(stage.tok_embeddings, HeldEmbedding) and isinstance(
+        stage.tok_embeddings, FSDPModule
+    ):  # its own FSDP2 unit, run before the head that reads it: keep it unsharded till then
+        stage.tok_embeddings.set_reshard_after_forward(False)
     if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM, which FSDP2 uses by default
         for module in stage.modules():
             if isinstance(module, FSDPModule):
@@ -154,7 +160,7 @@ def use_the_cpu() -> None:
 
 
 # --8<-- [start:build]
-def build(dp: int, schedule_name: str, backend: str, seed: int) -> dict[str, Any]:
+def build(dp: int, options: argparse.Namespace, seed: int) -> dict[str, Any]:
     """Split, parallelise and initialise this rank's stage; tie it; build its optimizer."""
     dims = ParallelDims(
         dp_replicate=1,
@@ -164,15 +170,16 @@ def build(dp: int, schedule_name: str, backend: str, seed: int) -> dict[str, Any
         pp=PP,
         ep=1,
         world_size=PP * dp,
-        spmd_backend=backend,
+        spmd_backend=options.spmd_backend,
     )
     dims.build_mesh()
-    set_spmd_backend(backend)  # what torchtitan's trainer does; its default is spmd_types
+    set_spmd_backend(options.spmd_backend)  # as torchtitan's trainer does (default spmd_types)
     parallelism = ParallelismConfig(
         pipeline_parallel_degree=PP,
         data_parallel_shard_degree=dp,
-        pipeline_parallel_schedule=schedule_name,
-        spmd_backend=backend,
+        pipeline_parallel_schedule=options.schedule,
+        fsdp_reshard_after_forward=options.fsdp_reshard_after_forward,
+        spmd_backend=options.spmd_backend,
     )
     config = qwen3_config()
     # torchtitan's trainer does this: it sets the sharding the parallelisms read
@@ -303,12 +310,27 @@ def checkpoint(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def torchtitan_tied_model(folder: str) -> nn.Module:
+    """Load the pipeline's checkpoint into torchtitan's own tied model, in one process.
+
+    The checkpoint holds the tied weight once, as ``tok_embeddings.weight``; in torchtitan's
+    tied model ``lm_head.weight`` is that same Parameter, so it is left out of the load.
+    """
+    model = qwen3_config(tied=True).build()
+    wrapper = ModelWrapper(model)
+    state = {k: v for k, v in wrapper.state_dict().items() if k != "lm_head.weight"}
+    dcp.load({"model": state}, checkpoint_id=folder)
+    wrapper.load_state_dict(state)
+    return model
+
+
 # --8<-- [end:checkpoint]
 
 
-def train(dp: int, schedule_name: str, backend: str, *, reduce: bool) -> list[str]:
+def train(dp: int, options: argparse.Namespace) -> list[str]:
     """Train, resume and compare with one process; what differs, as seen from this rank."""
-    run = build(dp, schedule_name, backend, seed=0)
+    reduce = not options.no_tie_reduction
+    run = build(dp, options, seed=0)
     expected = reference(gathered_state(run["stage"]), dp)
     data = batches(dp)
     steps = []
@@ -318,16 +340,20 @@ def train(dp: int, schedule_name: str, backend: str, *, reduce: bool) -> list[st
             folder = [tempfile.mkdtemp(prefix="torchtitan-pp-") if dist.get_rank() == 0 else ""]
             dist.broadcast_object_list(folder, src=0)
             dcp.save(checkpoint(run), checkpoint_id=folder[0])
+            saved_state = gathered_state(run["stage"])
     state = gathered_state(run["stage"])
 
     # Resume after step 2 into stages built afresh from other weights.
-    fresh = build(dp, schedule_name, backend, seed=1)
+    fresh = build(dp, options, seed=1)
     loaded = checkpoint(fresh)
     dcp.load(loaded, checkpoint_id=folder[0])
     set_optimizer_state_dict(fresh["stage"], fresh["optimizer"], loaded["optimizer"])
     resumed = train_step(fresh, *data[-1], reduce=reduce)
 
     problems = []
+    for name, value in torchtitan_tied_model(folder[0]).state_dict().items():
+        if not torch.equal(value, saved_state[name.replace("lm_head.", "tok_embeddings.")]):
+            problems.append(f"torchtitan's tied model loads {name} other than saved")
     replica = slice(run["dp_rank"] * BATCH, (run["dp_rank"] + 1) * BATCH)
     for number, (got, want) in enumerate(zip(steps, expected["steps"], strict=True), 1):
         # float32 norms of the whole model differ in their last digits with the order of
@@ -355,6 +381,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--schedule", choices=["1F1B", "GPipe"], default="1F1B")
     parser.add_argument("--spmd-backend", choices=BACKENDS, default=BACKENDS[0])
+    parser.add_argument("--fsdp-reshard-after-forward", choices=RESHARD, default=RESHARD[0])
     parser.add_argument("--no-tie-reduction", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -365,7 +392,7 @@ def main() -> int:
     dp = world // PP
     if dp > 1 and args.spmd_backend == "spmd_types":
         raise SystemExit("torchtitan's FSDP2 set-up fails under spmd_types: see the guide")
-    problems = train(dp, args.schedule, args.spmd_backend, reduce=not args.no_tie_reduction)
+    problems = train(dp, args)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, problems)
     failed = [f"rank {rank}: {p}" for rank, found in enumerate(gathered) for p in found]

@@ -5,7 +5,8 @@ ranks: torchtitan's Qwen3 debug model, tied by ``TiedLinear`` and ``PipelineTie`
 torchtitan into two pipeline stages, with FSDP2 on four ranks. Each launch trains three
 steps, resumes step 3 from a DCP checkpoint of step 2 into fresh stages, and checks the
 losses, the clip norms and the weights against torchtitan's own tied model in one process;
-it exits with status 1 if anything differs. ``nox -s torchtitan`` runs these tests (CI
+it also loads the checkpoint into torchtitan's own tied model, and exits with status 1 if
+anything differs. ``nox -s torchtitan`` runs these tests (CI
 does); elsewhere, without torchtitan, they are skipped.
 """
 
@@ -30,8 +31,13 @@ TIMEOUT = 600
         (2, ("--schedule", "GPipe"), "pp=2 x dp=1, GPipe, partial_dtensor"),
         (2, ("--spmd-backend", "spmd_types"), "pp=2 x dp=1, 1F1B, spmd_types"),
         (4, (), "pp=2 x dp=2, 1F1B, partial_dtensor"),
+        (
+            4,
+            ("--fsdp-reshard-after-forward", "always"),
+            "pp=2 x dp=2, 1F1B, partial_dtensor",
+        ),
     ],
-    ids=["pp2-1f1b", "pp2-gpipe", "pp2-spmd-types", "pp2-dp2-fsdp2"],
+    ids=["pp2-1f1b", "pp2-gpipe", "pp2-spmd-types", "pp2-dp2-fsdp2", "pp2-dp2-reshard-always"],
 )
 def test_the_recipe_trains_and_resumes_as_one_process(
     nproc: int, args: tuple[str, ...], layout: str
