@@ -251,23 +251,32 @@ def generate_mutants(sources: Mapping[str, Path]) -> list[Mutant]:
     """
     import libcst  # noqa: PLC0415 - installed with mutmut
     from mutmut.mutation.file_mutation import mutate_file_contents  # noqa: PLC0415
-    from mutmut.utils.format_utils import get_mutant_name  # noqa: PLC0415
+    from mutmut.utils.format_utils import (  # noqa: PLC0415
+        get_mutant_name,
+        orig_function_and_class_names_from_key,
+    )
 
     mutants: list[Mutant] = []
     for path, source in sources.items():
         mutated = mutate_file_contents(path, source.read_text())
         # mutmut's trampolines: every mutant and each original, as functions or methods.
-        code: dict[str, list[str]] = {}
+        trampolines: dict[str, libcst.FunctionDef] = {}
         for node in libcst.parse_module(mutated.code).body:
             body = node.body.body if isinstance(node, libcst.ClassDef) else [node]
             for function in body:
                 if isinstance(function, libcst.FunctionDef):
-                    renamed = function.with_changes(name=libcst.Name("f"))
-                    code[function.name.value] = libcst.Module([renamed]).code.strip().split("\n")
+                    trampolines[function.name.value] = function
         for local in mutated.mutant_names:
-            original = code[local.partition("__mutmut_")[0] + "__mutmut_orig"]
-            diff = "\n".join(difflib.unified_diff(original, code[local], path, path, lineterm=""))
-            mutants.append(make_mutant(get_mutant_name(Path(path), local), path, diff))
+            name = get_mutant_name(Path(path), local)
+            # Under the function's own name, as mutmut's diffs show it: a change to the
+            # signature (a default argument) keeps the line that the whole run records.
+            own = libcst.Name(orig_function_and_class_names_from_key(name)[0])
+            original, changed = (
+                libcst.Module([trampolines[key].with_changes(name=own)]).code.strip().split("\n")
+                for key in (local.partition("__mutmut_")[0] + "__mutmut_orig", local)
+            )
+            diff = "\n".join(difflib.unified_diff(original, changed, path, path, lineterm=""))
+            mutants.append(make_mutant(name, path, diff))
     return mutants
 
 

@@ -524,3 +524,15 @@ def test_an_incremental_run_stops_on_a_ledger_that_does_not_describe_the_sources
     now = mutation.take_inputs(tree, mutation.source_files(tree), listed, ledger.inputs.tests)
     with pytest.raises(SystemExit, match=r"toolkit\.x\.m\.C\.h"):
         mutation.plan_incremental(ledger, now, mutants[:4], listed)
+
+
+def test_a_mutant_of_a_signature_is_named_as_mutmut_shows_it(
+    mutation: ModuleType, tmp_path: Path
+) -> None:
+    """The planned mutants' lines are those the whole run records, from mutmut's diffs."""
+    source = tmp_path / "_x.py"
+    source.write_text("def g(a: int = 1) -> int:\n    return a + 1\n")
+    mutants = mutation.generate_mutants({"src/toolkit/nn/_x.py": source})
+    changes = {(m.function, m.line, m.mutant) for m in mutants}
+    signature = "def g(a: int = {}) -> int:"
+    assert ("toolkit.nn._x.g", signature.format(1), signature.format(2)) in changes
