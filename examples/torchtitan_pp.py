@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -160,8 +161,17 @@ def use_the_cpu() -> None:
 
 
 # --8<-- [start:build]
-def build(dp: int, options: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """Split, parallelise and initialise this rank's stage; tie it; build its optimizer."""
+def split(
+    dp: int,
+    options: argparse.Namespace,
+    model_of: Callable[[Any], nn.Module] = build_model,
+    parallelize_fn: Callable[..., nn.Module] = parallelize,
+) -> tuple[ParallelDims, tuple[Any, list[nn.Module], bool, bool]]:
+    """Build torchtitan's meshes and split the model with its ``pipeline_llm``.
+
+    Returns the meshes, and ``pipeline_llm``'s schedule, this rank's stages, and whether
+    they hold the first and the last.
+    """
     dims = ParallelDims(
         dp_replicate=1,
         dp_shard=dp,
@@ -184,8 +194,8 @@ def build(dp: int, options: argparse.Namespace, seed: int) -> dict[str, Any]:
     config = qwen3_config()
     # torchtitan's trainer does this: it sets the sharding the parallelisms read
     config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
-    schedule, parts, first, last = pipeline_llm(
-        build_model(config),
+    return dims, pipeline_llm(
+        model_of(config),
         parallel_dims=dims,
         training=TrainingConfig(
             local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32"
@@ -196,9 +206,14 @@ def build(dp: int, options: argparse.Namespace, seed: int) -> dict[str, Any]:
         dump_folder=tempfile.gettempdir(),
         device=torch.device("cpu"),
         model_config=config,
-        parallelize_fn=parallelize,
+        parallelize_fn=parallelize_fn,
         loss_fn=CrossEntropyLoss(CrossEntropyLoss.Config()),
     )
+
+
+def build(dp: int, options: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """Split, parallelise and initialise this rank's stage; tie it; build its optimizer."""
+    dims, (schedule, parts, first, last) = split(dp, options)
     (stage,) = parts  # one stage per rank with GPipe and 1F1B
     torch.manual_seed(seed + dist.get_rank())  # each stage initialised on its own
     stage.to_empty(device="cpu")
