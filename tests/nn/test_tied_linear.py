@@ -28,7 +28,7 @@ from torch.nn.utils import parametrize
 from tests.nn.distributed.tiny_lm import TinyLM
 from tests.nn.models import TiedPair
 from tests.strategies import DEVICES, LinearCase, linear_cases, make_tensor
-from toolkit.nn import TiedLinear, _tied_linear
+from toolkit.nn import TiedLinear
 
 # Laws -----------------------------------------------------------------------------------------
 
@@ -283,6 +283,31 @@ class _GetattributeOverParameter(nn.Embedding):
         return super().__getattribute__(name)
 
 
+class _ParametersProperty(nn.Embedding):
+    """Presents another ``weight`` in a ``_parameters`` property; ``Module.__getattr__``, and
+    so the ``weight`` attribute, reads the registered Parameter from the instance dict."""
+
+    @property  # type: ignore[misc]
+    def _parameters(self) -> dict[str, Any]:  # type: ignore[override]
+        real: dict[str, Any] = self.__dict__["_parameters"]
+        return {**real, "weight": -real["weight"]} if "weight" in real else real
+
+    @_parameters.setter
+    def _parameters(self, value: dict[str, Any]) -> None:
+        self.__dict__["_parameters"] = value
+
+
+class _ReportsModuleGetattr(type):
+    """A metaclass that answers ``cls.__getattr__`` with ``nn.Module``'s, whatever ``cls``
+    defines: a property of the metaclass comes before the class's own ``__dict__``."""
+
+    __getattr__ = property(lambda cls: nn.Module.__getattr__)
+
+
+class _GetattrBehindTheMetaclass(_GetattrOverParameter, metaclass=_ReportsModuleGetattr):
+    """Its own ``__getattr__`` answers ``weight``, while its class reports ``nn.Module``'s."""
+
+
 class _PlainEmbedding(nn.Embedding):
     """A subclass that changes nothing about how ``weight`` is found."""
 
@@ -370,7 +395,7 @@ def _answering_parameters(head: TiedLinear) -> None:
 
 def _become(cls: type[nn.Module]) -> Callable[[TiedLinear], None]:
     def change(head: TiedLinear) -> None:
-        if cls is _GetattrOverParameter:
+        if issubclass(cls, _GetattrOverParameter):
             head.tied_module.register_buffer("other", torch.randn(7, 3))
         head.tied_module.__class__ = cls
 
@@ -411,6 +436,8 @@ CHANGES: dict[str, Callable[[TiedLinear], None]] = {
     "not a module": lambda head: setattr(head, "tied_module", _Holder()),
     "to meta": lambda head: head.tied_module.to("meta"),
     "_parameters answering itself": _answering_parameters,
+    "_parameters property": _become(_ParametersProperty),
+    "__getattr__ behind a metaclass": _become(_GetattrBehindTheMetaclass),
 }
 
 
@@ -427,8 +454,11 @@ HEAD_CHANGES = ("another plain module", "not a module")
     ],
 )
 def test_a_call_uses_exactly_what_tied_module_weight_gives(change: str, when: str) -> None:
-    """A Parameter, buffer, attribute, parametrization, property, class attribute or
-    ``__getattr__``, whether the module was built so or changed later, on every call."""
+    """The law: a call is ``F.linear(x, tied_module.weight)`` bit for bit, whatever the
+    module's class does to attribute lookup (a Parameter, a buffer, a plain or class
+    attribute, a property, ``__getattr__``, one that a metaclass hides, ``__getattribute__``,
+    a parametrization, a ``_parameters`` property or a mapping that answers ``weight``
+    itself), whether the module was built so or changed after a call, on every call."""
     emb = nn.Embedding(7, 3)
     head = TiedLinear(emb)
     x = torch.randn(2, 3)
@@ -440,8 +470,11 @@ def test_a_call_uses_exactly_what_tied_module_weight_gives(change: str, when: st
         CHANGES[change](head)
         head = TiedLinear(head.tied_module)
     weight = head.tied_module.weight
-    if change not in ("plain subclass", "to meta"):  # the case is real: the Parameter differs
-        assert not torch.equal(weight, original)
+    if change not in ("plain subclass", "to meta"):
+        # The case is real: the attribute differs from the Parameter registered at first, or
+        # from the weight that the module's ``_parameters`` presents.
+        presented = getattr(head.tied_module, "_parameters", {}).get("weight", original)
+        assert not (torch.equal(weight, original) and torch.equal(weight, presented))
     for _ in range(2):  # and again, once anything is cached
         assert_same(head(x.to(weight.device)), F.linear(x.to(weight.device), weight))
 
@@ -516,53 +549,6 @@ def test_a_call_follows_a_class_changed_after_building(change: str) -> None:
     if change == "__bases__ assigned":
         cls.__bases__ = (base,)
     assert_same(head(x), F.linear(x, module._parameters["weight"]))
-
-
-def _module_in_each_state() -> Iterator[tuple[str, TiedLinear]]:
-    """A head in every state the tests above put it in, and one left unchanged."""
-    for change, make in CHANGES.items():
-        head = TiedLinear(nn.Embedding(7, 3))
-        make(head)
-        yield change, head
-    for change, make_class in CLASS_CHANGES.items():
-        base, cls = _fresh_classes()
-        head = TiedLinear(cls(7, 3))
-        make_class(base, cls)
-        yield change, head
-    yield "unchanged", TiedLinear(nn.Embedding(7, 3))
-
-
-def _call_recording_weight(head: TiedLinear, x: torch.Tensor) -> tuple[torch.Tensor, object]:
-    seen: list[object] = []
-    handle = head.linear.register_forward_pre_hook(lambda _, args: seen.append(args[1]))
-    try:
-        return head(x), seen[0]
-    finally:
-        handle.remove()
-
-
-def test_probe_a_call_is_the_same_with_the_direct_read_turned_off(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """PROBE for the TiedLinear entries of tests/mutation/equivalent.toml, not a behaviour.
-
-    Each of those mutants turns the direct read of ``_parameters["weight"]`` off for some
-    calls, which then read ``tied_module.weight``. In every state the tests above cover,
-    a call with the direct read turned off for all calls passes ``linear`` the very same
-    weight object (where the attribute gives one object) and gives the same output, bit for
-    bit: the mutants are only slower. It kills none of them, by design.
-    """
-    x = torch.randn(2, 3)
-    for state, head in _module_in_each_state():
-        x_there = x.to(head.weight.device)
-        out, weight = _call_recording_weight(head, x_there)
-        with monkeypatch.context() as patch:
-            patch.setattr(_tied_linear, "_resolves_weight_plainly", lambda *_: False)
-            out_off, weight_off = _call_recording_weight(head, x_there)
-        assert_same(out, out_off)
-        module = head.tied_module
-        if module.weight is module.weight:  # not a property that makes a new tensor
-            assert weight is weight_off, state
 
 
 def test_a_weight_changed_in_place_or_through_functional_call_is_used() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 from torch import nn
 
@@ -57,9 +55,6 @@ class TiedLinear:
 
     tied_module: nn.Module
     linear: nn.Module
-    # The MRO of ``tied_module``'s class when built, and each class's ``__dict__`` (live
-    # views), which ``__call__`` looks ``weight`` up in (see ``_resolves_weight_plainly``).
-    _lookup: tuple[tuple[type, ...], tuple[Mapping[str, object], ...]]
 
     def __init__(self, tied_module: nn.Module) -> None:
         try:
@@ -75,7 +70,6 @@ class TiedLinear:
         _check_weight(tied_module, weight)
         self.tied_module = tied_module
         self.linear = _Linear()
-        self._lookup = _class_lookup(type(tied_module))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the tied linear transform.
@@ -97,21 +91,11 @@ class TiedLinear:
                 accept a 1-D weight and drop the output's last dimension).
             TypeError: If ``tied_module.weight`` is no longer a tensor.
         """
-        # ``tied_module.weight`` falls back to the Python-level ``Module.__getattr__``, 15%
-        # of a one-token call, which returns ``_parameters["weight"]`` when it is set.
-        # Reading that entry directly gives the same tensor only where nothing comes before
-        # the fallback, which is checked on every call, as the module and its classes are
-        # then (see ``_resolves_weight_plainly``). Everything else (a buffer, a plain
-        # attribute, a property, a parametrization, a module whose class changed since) is
-        # read through the attribute.
+        # Read as the caller reads it, so that the weight is the attribute's answer whatever
+        # the module's class does to attribute lookup: a property, ``__getattr__``, a
+        # parametrization, a ``_parameters`` mapping that gathers the weight as it is read.
         module = self.tied_module
-        mro, dicts = self._lookup
-        weight: object = None
-        # A module whose class or bases changed since is read through the attribute.
-        if type(module).__mro__ is mro and _resolves_weight_plainly(module, dicts):
-            weight = module._parameters.get("weight")
-        if weight is None:
-            weight = module.weight
+        weight = module.weight
         # An uninitialized lazy weight raises torch's own error for it from ``dim()``.
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise _call_weight_error(module, weight)
@@ -119,20 +103,10 @@ class TiedLinear:
             return self.linear(x, weight)  # type: ignore[no-any-return]
         except RuntimeError as error:
             # Diagnose only once the call has failed, so the normal path pays nothing.
-            explained = explain_failure(self.tied_module, x, weight)
+            explained = explain_failure(module, x, weight)
             if explained is None:
                 raise
             raise explained from error
-
-    def __getstate__(self) -> dict[str, object]:
-        # The classes' ``__dict__`` views cannot be copied or pickled: taken again on load.
-        state = dict(self.__dict__)
-        del state["_lookup"]
-        return state
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self.__dict__.update(state)
-        self._lookup = _class_lookup(type(self.tied_module))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -323,55 +297,6 @@ def _missing_weight_error(tied_module: object) -> AttributeError:
         f"TiedLinear needs a module with a 'weight' attribute to tie to, but {owner} has "
         f"none; {fix}"
     )
-
-
-# What a plain Module resolves attributes with: taken once, so that a later patch of either
-# counts as an override.
-_OBJECT_GETATTRIBUTE: object = object.__getattribute__
-_MODULE_GETATTR: object = nn.Module.__getattr__
-# What every class that gives its instances a __dict__ holds under that name.
-_DICT_SLOT: object = vars(nn.Module)["__dict__"]
-_SLOT_TYPE: type = type(_DICT_SLOT)
-
-
-def _class_lookup(
-    cls: type,
-) -> tuple[tuple[type, ...], tuple[Mapping[str, object], ...]]:
-    """``cls``'s MRO and the ``__dict__`` of each class in it, as live views."""
-    return cls.__mro__, tuple(map(vars, cls.__mro__))
-
-
-def _resolves_weight_plainly(module: nn.Module, dicts: tuple[Mapping[str, object], ...]) -> bool:
-    """Whether ``module.weight`` is, right now, ``Module.__getattr__``'s answer.
-
-    ``module.weight`` looks in the type's MRO first (a property, any other descriptor or a
-    class attribute named ``weight`` wins), then in the instance ``__dict__``, and only then
-    calls ``__getattr__``, which ``Module`` implements by reading ``_parameters``,
-    ``_buffers`` and ``_modules``. A type that overrides ``__getattribute__`` or
-    ``__getattr__`` may return anything. A parametrization swaps the module's class for a
-    generated one with a ``weight`` property. A ``_parameters`` mapping other than a dict
-    (DeepSpeed ZeRO-3's, which gathers a partitioned parameter as it is read) may answer
-    ``weight`` itself. All of these can change after TiedLinear is
-    built (``__class__`` or ``__bases__`` assigned, ``weight`` or ``__getattr__`` set on a
-    class, ``weight`` in the instance ``__dict__``), so this is asked on every call. ``dicts``
-    are the ``__dict__`` of each class in the module's MRO, live views: the caller checks
-    that the module's MRO is still the one they were taken from.
-    """
-    if not (
-        # __getattr__ first: a type without one (not a Module) fails here, loudly
-        type(module).__getattr__ is _MODULE_GETATTR
-        and type(module).__getattribute__ is _OBJECT_GETATTRIBUTE
-    ):
-        return False
-    for names in dicts:
-        # A class attribute named weight answers before the instance; a __dict__ of a class's
-        # own (not the instance dict's descriptor) decides what the checks below would read.
-        if "weight" in names or type(names.get("__dict__", _DICT_SLOT)) is not _SLOT_TYPE:
-            return False
-    state = module.__dict__
-    # A mapping of its own (a dict subclass) may answer ``weight`` itself; a module whose
-    # Module.__init__ never ran has none, and the attribute then raises as it does.
-    return "weight" not in state and type(state.get("_parameters")) is dict
 
 
 def _call_weight_error(module: nn.Module, weight: object) -> Exception:
