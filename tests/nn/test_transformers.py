@@ -20,6 +20,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -27,7 +29,10 @@ from transformers import (
     LlamaModel,
     LlamaPreTrainedModel,
     PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
+from transformers.distributed.fsdp import _resolve_tied_embed_lm_head_plan
 
 from tests.nn.distributed.tiny_lm import full_state
 from tests.nn.ranks import process_group, run_processes, run_threads
@@ -68,7 +73,42 @@ def gpt2(**overrides: object) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
+def qwen2() -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,  # False by default for Qwen2
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def gemma2() -> Gemma2ForCausalLM:
+    config = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
+    return Gemma2ForCausalLM(config)
+
+
 BUILDERS: dict[str, Callable[..., PreTrainedModel]] = {"llama": llama, "gpt2": gpt2}
+# The architectures of the tests that check what differs between them: tied heads read
+# ``lm_head`` (Llama, Qwen2), ``transformer.wte`` (GPT-2), scale the lookup (Gemma 2).
+ARCHITECTURES: dict[str, Callable[..., PreTrainedModel]] = {
+    **BUILDERS,
+    "qwen2": qwen2,
+    "gemma2": gemma2,
+}
 
 
 @pytest.fixture(params=list(BUILDERS))
@@ -131,6 +171,49 @@ def test_tie_weights_after_set_input_embeddings_ties_the_head_to_the_new_one(
     assert_tied(model, head)
     ids = tokens()
     torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
+
+
+def assert_plans_of_the_tied_stock_model(
+    model: PreTrainedModel, stock: PreTrainedModel, head: str = "lm_head"
+) -> None:
+    """Each parallel plan is the stock model's without the head, which is no module now; the
+    FSDP plan is the one transformers shards a tied model with: the embedding takes the head's
+    rule."""
+    for plan in ("tp_plan", "ep_plan", "pp_plan"):
+        expected = {key: rule for key, rule in getattr(stock, plan).items() if key != head}
+        assert getattr(model, plan) == expected, plan
+    resolved = _resolve_tied_embed_lm_head_plan(stock.fsdp_plan, stock)
+    assert model.fsdp_plan == {key: rule for key, rule in resolved.items() if key != head}
+
+
+RETIES: dict[str, Callable[[PreTrainedModel], object]] = {
+    "tie_weights": lambda model: model.tie_weights(),
+    "post_init": lambda model: model.post_init(),
+    "resize_token_embeddings": lambda model: model.resize_token_embeddings(VOCAB + 3),
+}
+
+
+@pytest.mark.parametrize("retie", list(RETIES))
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_a_head_set_by_set_output_embeddings_is_tied_again_as_on_the_stock_model(
+    architecture: str, retie: str
+) -> None:
+    """transformers ties whatever head the model then holds; so does the tied model, whose
+    plans keep naming only modules it has."""
+    stock, model, _ = stock_and_tied(ARCHITECTURES[architecture])
+    torch.manual_seed(3)
+    new = nn.Linear(stock.get_input_embeddings().embedding_dim, VOCAB, bias=False)
+    for each in (stock, model):
+        each.set_output_embeddings(copy.deepcopy(new))
+        torch.manual_seed(4)  # for what resizing or initialising draws
+        RETIES[retie](each)
+    assert stock.get_output_embeddings().weight is stock.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    assert isinstance(head, TiedLinear)
+    assert_tied(model, head)
+    ids = tokens()
+    torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
+    assert_plans_of_the_tied_stock_model(model, stock)
 
 
 def test_tie_weights_passes_its_arguments_to_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -470,6 +553,21 @@ def test_a_new_input_embedding_without_tie_weights_leaves_the_head_on_the_old_on
     torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["bias", "adapted-embedding"])
+def test_tie_weights_refuses_a_new_head_it_cannot_tie_and_leaves_it_untied(name: str) -> None:
+    """A bias, which the stock model keeps beside the tied weight, a TiedLinear cannot hold; a
+    wrapped embedding's lookup (a PEFT adapter's) would not use the weight the head reads."""
+    _, model, _ = stock_and_tied(llama)
+    new = nn.Linear(16, VOCAB, bias=name == "bias")
+    if name == "adapted-embedding":
+        model.model.embed_tokens = Adapted(model.model.embed_tokens)
+    model.set_output_embeddings(new)
+    with pytest.raises(ValueError if name == "bias" else RuntimeError):
+        model.tie_weights()
+    assert model.get_output_embeddings() is new
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+
+
 def test_get_and_set_output_embeddings_round_trip(build: Callable) -> None:
     stock, model, head = stock_and_tied(build)
     model.set_output_embeddings(model.get_output_embeddings())
@@ -600,22 +698,64 @@ def test_an_embedding_with_sub_modules_of_its_own_is_tied() -> None:
     torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
 
 
-def test_the_tensor_parallel_plan_no_longer_names_the_head() -> None:
-    """transformers' plan names only modules and parameters the model has."""
+def test_the_parallel_plans_no_longer_name_the_head() -> None:
+    """transformers' plans name only modules and parameters the model has."""
     stock, model, _ = stock_and_tied(llama)
     assert stock.tp_plan["lm_head"] == "colwise_gather_output"
-    expected = {k: v for k, v in stock.tp_plan.items() if k != "lm_head"}
-    assert model.tp_plan == expected
+    assert "lm_head" in stock.pp_plan
+    assert stock.fsdp_plan["lm_head"] == "keep_full_weight"
+    assert_plans_of_the_tied_stock_model(model, stock)
     model.post_init()  # rebuilds the plans from the class
-    assert model.tp_plan == expected
+    assert_plans_of_the_tied_stock_model(model, stock)
     torch.manual_seed(0)
     stock = Wrapped(llama().config)
     assert "lm.lm_head" in stock.tp_plan
     assert "lm_head" in stock.lm.tp_plan
     model = copy.deepcopy(stock)
     tie_output_embeddings(model)
-    assert model.tp_plan == {k: v for k, v in stock.tp_plan.items() if k != "lm.lm_head"}
-    assert model.lm.tp_plan == {k: v for k, v in stock.lm.tp_plan.items() if k != "lm_head"}
+    for _ in range(2):  # as tied, then after post_init() rebuilt them from the sub-model's
+        assert_plans_of_the_tied_stock_model(model, stock, "lm.lm_head")
+        assert_plans_of_the_tied_stock_model(model.lm, stock.lm)  # keys relative to it
+        model.post_init()
+
+
+class FreeHead(LlamaForCausalLM):
+    """A model whose FSDP plan reshards the head after its forward, as the embedding."""
+
+    _fsdp_plan = {"lm_head": "free_full_weight"}  # noqa: RUF012 - as transformers declares it
+
+
+class Split(LlamaPreTrainedModel):
+    """A model whose head, in a sub-model, reads an embedding outside that sub-model."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.lm = LlamaForCausalLM(config)
+        self.post_init()
+        self.lm.lm_head.weight = self.embed.weight
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm.get_output_embeddings()
+
+
+def test_the_fsdp_plan_shards_the_embedding_with_the_root_where_the_head_was_resharded() -> None:
+    """As transformers shards a tied model: no unit of its own, which would reshard it."""
+    stock, model, _ = stock_and_tied(lambda: FreeHead(llama().config))
+    assert stock.fsdp_plan["model.embed_tokens"] == "free_full_weight"
+    assert_plans_of_the_tied_stock_model(model, stock)
+    assert "model.embed_tokens" not in model.fsdp_plan
+
+
+def test_a_sub_model_keeps_the_fsdp_rule_of_an_embedding_its_head_does_not_read() -> None:
+    stock, model, _ = stock_and_tied(lambda: Split(llama().config))
+    assert_plans_of_the_tied_stock_model(model, stock, "lm.lm_head")
+    assert model.fsdp_plan["embed"] == "keep_full_weight"
+    plan = stock.lm.fsdp_plan
+    assert model.lm.fsdp_plan == {k: v for k, v in plan.items() if k != "lm_head"}
 
 
 class Contained(LlamaPreTrainedModel):

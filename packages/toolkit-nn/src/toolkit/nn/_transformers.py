@@ -24,8 +24,12 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
     ``post_init()``, ``tie_weights()``, the forward, ``generate()``, ``save_pretrained()`` (one
     copy of the weight, which a stock model loads), ``resize_token_embeddings()``, meta-device
     init and FSDP2 work as on the stock tied model, and ``head.cross_entropy`` takes the loss
-    without the logits; ``load_state_dict`` takes a stock checkpoint's equal ``lm_head.weight``,
-    and the tensor-parallel plan drops the head. Call it after ``from_pretrained`` returns. See
+    without the logits; ``load_state_dict`` takes a stock checkpoint's equal ``lm_head.weight``.
+    As the stock model does, ``tie_weights()`` ties a head set by ``set_output_embeddings()``:
+    it becomes a TiedLinear on the input embeddings (one with a bias, which a TiedLinear cannot
+    hold, raises ``ValueError``). The parallel plans (tensor, expert,
+    pipeline, FSDP) drop the head, which is no module now, and the FSDP plan keeps the
+    embedding unsharded where it kept the head. Call it after ``from_pretrained`` returns. See
     the [Hugging Face transformers guide][hugging-face-transformers].
 
     Args:
@@ -101,12 +105,14 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
     # new one after set_input_embeddings(): the model's own does the same for this head.
     tie_weights = functools.partial(_tie_weights, model, path, hf.tie_weights)
     # post_init() rebuilds the parallel plans from the class, which names the head.
-    init_plans = functools.partial(_init_parallel_plans, model, path, hf.init_parallel_plans)
+    init_plans = functools.partial(
+        _init_parallel_plans, model, path, source, hf.init_parallel_plans
+    )
     mappings = _untied_mappings(model, f"{path}.weight")
     head = _set_head(model, path, embedding)
     for owner, name, mapping in mappings:
         setattr(owner, name, mapping)
-    _drop_from_tp_plans(model, path)
+    _drop_from_plans(model, path, source)
     hf.tie_weights, hf.init_parallel_plans = tie_weights, init_plans
     load_head = functools.partial(_load_head_key, f"{path}.weight", f"{source}.weight")
     model.register_load_state_dict_pre_hook(load_head)  # type: ignore[no-untyped-call]
@@ -211,40 +217,78 @@ def _same_values(head: torch.Tensor, embedding: torch.Tensor) -> bool:
 def _tie_weights(
     model: nn.Module, path: str, tie_weights: Callable[..., object], *args: object, **kwargs: object
 ) -> None:
-    """Tie as transformers' ``tie_weights`` does, then the head to the current input embeddings."""
+    """Tie as transformers' ``tie_weights`` does, then the head to the current input embeddings.
+
+    transformers ties the head's weight to the input embeddings of the moment: a new embedding
+    after ``set_input_embeddings()``, a new head after ``set_output_embeddings()``. Its mapping
+    no longer names the head, so the head is tied here: whatever ``get_output_embeddings()``
+    returns, unless it already is a TiedLinear on the input embeddings, becomes one at ``path``.
+
+    Raises:
+        ValueError: If the head has a bias, which the stock model keeps beside the tied weight
+            but a TiedLinear cannot hold. The head is left as it is.
+        RuntimeError: If the head is a new module and the input embeddings wrap the embedding
+            that holds the weight (a PEFT adapter), whose lookup a head would not follow.
+    """
     tie_weights(*args, **kwargs)
     hf: Any = model
     embedding = hf.get_input_embeddings()
     head = hf.get_output_embeddings()
-    # A wrapper of the embedding (a PEFT adapter) is not tied to: the head refuses it.
-    if (
-        isinstance(head, TiedLinear)
-        and head.tied_module is not embedding
-        and not _wraps_an_embedding(embedding)
-    ):
-        _set_head(model, path, embedding)
+    wrapped = _wraps_an_embedding(embedding)
+    if isinstance(head, TiedLinear) and (head.tied_module is embedding or wrapped):
+        return  # tied, or on a wrapper (a PEFT adapter) that the head refuses on its next call
+    kind = type(model).__name__
+    if wrapped:
+        raise _adapted_embedding_error(kind, embedding)
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(
+            f"{kind}'s output embeddings, a {type(head).__name__} set after "
+            "tie_output_embeddings, have a bias, which its tied head, a bias-free TiedLinear, "
+            "would drop; set a head without a bias, such as nn.Linear(hidden_size, vocab_size, "
+            "bias=False), which tie_weights() ties to the input embeddings"
+        )
+    _set_head(model, path, embedding)
 
 
 def _init_parallel_plans(
-    model: nn.Module, path: str, init_parallel_plans: Callable[[], object]
+    model: nn.Module, path: str, source: str, init_parallel_plans: Callable[[], object]
 ) -> None:
     """Build the plans as transformers does, then drop the head, which is no module now."""
     init_parallel_plans()
-    _drop_from_tp_plans(model, path)
+    _drop_from_plans(model, path, source)
 
 
-def _drop_from_tp_plans(model: nn.Module, path: str) -> None:
-    """Drop the head at ``path`` from the tensor-parallel plans of ``model`` and its sub-models.
+def _drop_from_plans(model: nn.Module, path: str, source: str) -> None:
+    """Drop the head at ``path`` from every parallel plan of ``model`` and its sub-models.
 
-    Each sub-model on the way to the head holds a plan whose keys are relative to it.
+    transformers keeps its plans (``_tp_plan``, ``_ep_plan``, ``_pp_plan``, ``_fsdp_plan``: each
+    ``_<kind>_plan`` that ``post_init`` sets on the instance) on each ``PreTrainedModel``, with
+    keys relative to it, so each sub-model on the way to the head holds the head's entries.
+    Once the head is no module, an entry for it names nothing, which FSDP would look up as a
+    submodule. In an FSDP plan, the embedding at ``source`` takes the head's rule, as
+    transformers folds it for a tied model when it shards: the head reads the embedding's
+    weight after the embedding's forward, so the embedding keeps it unsharded
+    (``keep_full_weight``) if the head or the embedding did, or else joins its parent's unit.
+    Dropping again changes nothing.
     """
+    keep = "keep_full_weight"
     names = path.split(".")
     for depth in range(len(names)):
-        module = model.get_submodule(".".join(names[:depth]))
-        plan = getattr(module, "_tp_plan", None)
-        if isinstance(plan, dict):
-            own = ".".join(names[depth:])
-            setattr(module, "_tp_plan", {key: s for key, s in plan.items() if key != own})  # noqa: B010
+        prefix = ".".join(names[:depth])
+        module = model.get_submodule(prefix)
+        start = f"{prefix}." if prefix else ""
+        head = path[len(start) :]
+        for name, plan in list(vars(module).items()):
+            if not (re.fullmatch(r"_[a-z]+_plan", name) and isinstance(plan, dict)):
+                continue
+            kept = {key: rule for key, rule in plan.items() if key != head}
+            if name == "_fsdp_plan" and source.startswith(start):
+                embedding = source[len(start) :]
+                if keep in (plan.get(head), plan.get(embedding)):
+                    kept[embedding] = keep
+                else:
+                    kept.pop(embedding, None)
+            setattr(module, name, kept)
 
 
 def _untied_mappings(model: nn.Module, key: str) -> list[tuple[nn.Module, str, dict[str, Any]]]:
