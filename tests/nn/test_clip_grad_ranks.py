@@ -372,14 +372,18 @@ def test_plain_tensors_are_this_ranks_and_take_no_part_in_the_reduction() -> Non
     torch.testing.assert_close(norms[1], torch.tensor(5.0))
 
 
-@pytest.mark.parametrize("norm_type", [2.0, INF])
-@pytest.mark.parametrize("rows", [0, 2], ids=["empty", "nonempty"])
+@pytest.mark.parametrize(
+    ("rows", "norm_type"),
+    [(0, 2.0), (2, 2.0), (2, INF)],
+    ids=["empty-2.0", "nonempty-2.0", "nonempty-inf"],
+)
 def test_foreach_true_with_gradients_where_foreach_kernels_are_missing_is_refused_as_torch(
     rows: int, norm_type: float
 ) -> None:
     # foreach=True is honoured for the norm and for the scaling, as in torch: a gradient on a
-    # device without foreach kernels (meta here) is refused, even when its shard is empty and
-    # takes no part in the norm.
+    # device without foreach kernels (meta here) is refused, even when its shards are empty
+    # and take no part in the norm. (Under inf, a gradient without elements is refused first:
+    # test_an_inf_norm_over_a_gradient_without_elements_is_refused_on_every_rank_as_torch.)
     weight = nn.Parameter(torch.zeros(2, device="meta"))
     weight.grad = torch.ones(2, device="meta")
     with pytest.raises(RuntimeError, match=r"foreach=True") as info:
@@ -568,3 +572,124 @@ def test_ranks_passing_different_dtensor_parameters_are_refused_on_each(
     for _, grads in results:
         for grad in grads:
             torch.testing.assert_close(grad, torch.full((1,), 3.0, dtype=dtype))
+
+
+def plain_with_grad(grad: torch.Tensor) -> nn.Parameter:
+    param = nn.Parameter(torch.zeros_like(grad))
+    param.grad = grad.clone()
+    return param
+
+
+@pytest.mark.parametrize("norm_type", [INF, -INF])
+@pytest.mark.parametrize("empty", ["dtensor", "plain-on-rank-0"])
+def test_an_inf_norm_over_a_gradient_without_elements_is_refused_on_every_rank_as_torch(
+    empty: str, norm_type: float
+) -> None:
+    # torch refuses the largest or smallest absolute value of no elements; so does a process
+    # without a process group, and so does every rank, wherever the empty gradient is.
+    bias = torch.tensor([2.0, -3.0])
+    with pytest.raises(RuntimeError):
+        torch.nn.utils.clip_grad_norm_([plain_with_grad(torch.zeros(0)), bias], 1.0, norm_type)
+    nothing = plain_with_grad(torch.zeros(0))
+    with pytest.raises(RuntimeError):
+        clip_grad_norm_([nothing, plain_with_grad(bias)], 1.0, norm_type)
+    assert torch.equal(nothing.grad, torch.zeros(0))  # type: ignore[arg-type]
+    sharded = torch.zeros(0) if empty == "dtensor" else torch.tensor([1.0, -4.0, 2.0])
+
+    def rank_main(rank: int) -> tuple[str, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = nn.Parameter(distribute_tensor(torch.zeros_like(sharded), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(sharded, mesh, [Shard(0)])
+        params = [weight, plain_with_grad(bias)]
+        if empty != "dtensor" and rank == 0:
+            params.append(plain_with_grad(torch.zeros(0)))  # this rank's own, empty
+        with pytest.raises(RuntimeError) as info:
+            clip_grad_norm_(params, 1e-3, norm_type)
+        grads = [full(p.grad) for p in params]  # type: ignore[arg-type]
+        # A p-norm counts a gradient without elements as nothing, as torch's.
+        expected = torch.nn.utils.get_total_norm(grads, 2.0)
+        return str(info.value), grads, clip_grad_norm_(params, 1e9), expected
+
+    results = run_threads(2, rank_main)
+    assert results[0][0] == results[1][0]
+    for _, grads, norm, expected in results:
+        assert torch.equal(grads[0], sharded)  # nothing was scaled
+        assert torch.equal(grads[1], bias)
+        torch.testing.assert_close(norm, expected)
+
+
+@pytest.mark.parametrize("other", ["plain", "none"])
+@pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside-dtensors"])
+def test_a_plain_parameters_gradient_that_is_a_dtensor_on_some_ranks_only_is_refused_on_each(
+    beside: bool, other: str
+) -> None:
+    # A hand-sharded model's plain weight whose gradient is a Replicate DTensor on rank 0 and
+    # a plain tensor (or None) on rank 1: rank 0 would wait for rank 1 on the mesh.
+    grad = torch.tensor([3.0, 4.0])
+
+    def rank_main(rank: int) -> tuple[str, list[torch.Tensor | None]]:
+        mesh = init_device_mesh("cpu", (2,))
+        scale = nn.Parameter(torch.zeros(2))
+        if rank == 0:
+            scale.grad = DTensor.from_local(grad.clone(), mesh, [Replicate()])
+        elif other == "plain":
+            scale.grad = grad.clone()
+        params = [scale, plain_with_grad(torch.tensor([5.0]))]
+        if beside:
+            weight = nn.Parameter(distribute_tensor(torch.zeros(3), mesh, [Shard(0)]))
+            weight.grad = distribute_tensor(torch.ones(3), mesh, [Shard(0)])
+            params.append(weight)
+        with pytest.raises(ValueError, match=r"parameters\[0\].*rank\(s\) \[1\]") as info:
+            clip_grad_norm_(params, 1e-3)
+        return str(info.value), [None if p.grad is None else full(p.grad) for p in params]
+
+    results = run_threads(2, rank_main)
+    assert results[0][0] == results[1][0]
+    for rank, (_, grads) in enumerate(results):
+        kept = grad if rank == 0 or other == "plain" else None
+        assert grads[0] is None if kept is None else torch.equal(grads[0], kept)
+        assert torch.equal(grads[1], torch.tensor([5.0]))  # type: ignore[arg-type]
+        if beside:
+            assert torch.equal(grads[2], torch.ones(3))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("passed", ["plain", "nothing"])
+def test_a_rank_that_passes_no_dtensor_of_its_mesh_is_refused_on_every_rank(passed: str) -> None:
+    # Rank 1 passes only its plain parameters (or none): it cannot know that rank 0 waits for
+    # it on the mesh, but the default group tells every rank.
+    def rank_main(rank: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = nn.Parameter(distribute_tensor(torch.zeros(3), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(torch.full((3,), 2.0), mesh, [Shard(0)])
+        bias = plain_with_grad(torch.tensor([5.0]))
+        params = [weight, bias] if rank == 0 else [bias] if passed == "plain" else []
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\].*model\.parameters\(\)") as info:
+            clip_grad_norm_(params, 1e-3)
+        return str(info.value), weight.grad.full_tensor(), bias.grad  # type: ignore[return-value]
+
+    results = run_threads(2, rank_main)
+    assert results[0][0] == results[1][0]
+    for _, weight_grad, bias_grad in results:
+        assert torch.equal(weight_grad, torch.full((3,), 2.0))
+        assert torch.equal(bias_grad, torch.tensor([5.0]))
+
+
+def test_ranks_outside_every_mesh_of_the_others_may_pass_only_plain_tensors() -> None:
+    # Per-stage clipping of a two-stage pipeline: stage 0 (ranks 0, 1) is under FSDP2 on its
+    # own dp mesh, stage 1 (ranks 2, 3) is plain. Each stage gets its own model's norm.
+    sharded, bias = torch.tensor([1.0, -2.0, 2.0]), torch.tensor([4.0])
+    expected = [
+        torch.nn.utils.get_total_norm([sharded, bias], 1.0),
+        torch.nn.utils.get_total_norm([bias * 3.0], 1.0),
+    ]
+
+    def rank_main(rank: int) -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        if rank >= 2:
+            return clip_grad_norm_([plain_with_grad(bias * 3.0)], 1.0, 1.0)
+        weight = nn.Parameter(distribute_tensor(torch.zeros(3), mesh["dp"], [Shard(0)]))
+        weight.grad = distribute_tensor(sharded, mesh["dp"], [Shard(0)])
+        return clip_grad_norm_([weight, plain_with_grad(bias)], 1.0, 1.0)
+
+    for rank, norm in enumerate(run_threads(4, rank_main)):
+        torch.testing.assert_close(norm, expected[rank // 2])

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tests.nn.ranks import process_group, run_processes
 from toolkit.nn import clip_grad_norm_
@@ -50,6 +51,11 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part, without communication: ranks that differ in kind do not all-gather."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def parity_in_a_process() -> dict[str, Any]:
     """In each rank: every norm type against the whole model's, and the refusals."""
     with process_group():
@@ -70,6 +76,11 @@ def parity_in_a_process() -> dict[str, Any]:
             ]
         results["missing"] = missing_on_one_rank()
         results["absent"] = absent_on_every_rank()
+        for norm_type in (INF, -INF, 2.0):
+            results[f"empty-{norm_type}"] = without_elements(norm_type)
+        for beside in (False, True):
+            results[f"kinds-{beside}"] = kinds_differ(beside)
+        results["no-dtensor"] = no_dtensor_on_some_ranks()
         return results
 
 
@@ -96,6 +107,71 @@ def absent_on_every_rank() -> tuple[torch.Tensor, torch.Tensor]:
     return clip_grad_norm_(model.parameters(), 1e-3, -INF), expected
 
 
+def with_grad(param: torch.Tensor, grad: torch.Tensor) -> nn.Parameter:
+    param = nn.Parameter(param)
+    param.grad = grad
+    return param
+
+
+def without_elements(norm_type: float) -> tuple[Any, Any, bool]:
+    """The model beside a DTensor without elements and a plain gradient, against torch's.
+
+    Returns our norm or error message, torch's norm or error type, and whether our refusal
+    left every gradient as it was.
+    """
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    nothing = distribute_tensor(torch.zeros(0, 3), mesh, [Shard(0)])
+    scale = torch.tensor([1.5, -0.5])
+    model = model_after_backward(sharded=True)
+    params = [
+        *model.parameters(),
+        with_grad(nothing, nothing.clone()),
+        with_grad(scale, scale.clone()),
+    ]
+    whole = model_after_backward(sharded=False)
+    twins = [*whole.parameters(), with_grad(torch.zeros(0, 3), torch.zeros(0, 3))]
+    twins.append(with_grad(scale.clone(), scale.clone()))
+    before = [full(p.grad).clone() for p in params]  # type: ignore[arg-type]
+    try:
+        expected: Any = torch.nn.utils.clip_grad_norm_(twins, 1e-3, norm_type)
+    except RuntimeError as error:
+        expected = type(error)
+    try:
+        norm: Any = clip_grad_norm_(params, 1e-3, norm_type)
+    except RuntimeError as error:
+        norm = str(error)
+    unchanged = all(torch.equal(full(p.grad), b) for p, b in zip(params, before, strict=True))  # type: ignore[arg-type]
+    return norm, expected, unchanged
+
+
+def kinds_differ(beside: bool) -> tuple[str, bool]:
+    """A plain weight's gradient: a Replicate DTensor on rank 0, a plain tensor elsewhere."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    grad = torch.tensor([3.0, 4.0])
+    if dist.get_rank() == 0:
+        scale = with_grad(torch.zeros(2), DTensor.from_local(grad.clone(), mesh, [Replicate()]))
+    else:
+        scale = with_grad(torch.zeros(2), grad.clone())
+    params = [scale, *(model_after_backward(sharded=True).parameters() if beside else [])]
+    before = [local(p.grad).clone() for p in params if p.grad is not None]  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"parameters\[0\]") as info:
+        clip_grad_norm_(params, 1e-3)
+    after = [local(p.grad) for p in params if p.grad is not None]  # type: ignore[arg-type]
+    return str(info.value), all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def no_dtensor_on_some_ranks() -> tuple[str, bool]:
+    """Rank 0 passes the model, the others only a plain parameter."""
+    model = model_after_backward(sharded=True)
+    scale = with_grad(torch.zeros(1), torch.tensor([7.0]))
+    params = [*model.parameters(), scale] if dist.get_rank() == 0 else [scale]
+    before = [local(p.grad).clone() for p in params]  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"model\.parameters\(\)") as info:
+        clip_grad_norm_(params, 1e-3)
+    after = [local(p.grad) for p in params]  # type: ignore[arg-type]
+    return str(info.value), all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_clip_grad_norm_on_uneven_and_empty_fsdp2_shards_is_torchs_on_the_whole_model(
     world_size: int,
@@ -118,3 +194,20 @@ def test_clip_grad_norm_on_uneven_and_empty_fsdp2_shards_is_torchs_on_the_whole_
         assert unchanged
         norm, expected = results["absent"]
         torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+        # inf and -inf over a gradient without elements: refused on every rank, as torch
+        # refuses them; a p-norm counts it as nothing, as torch's.
+        for norm_type in (INF, -INF):
+            message, torch_error, unchanged = results[f"empty-{norm_type}"]
+            assert torch_error is RuntimeError
+            assert message == ranks[0][f"empty-{norm_type}"][0]
+            assert isinstance(message, str)
+            assert unchanged
+        norm, expected, _ = results["empty-2.0"]
+        torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+        # A gradient whose kind differs across ranks, and ranks that pass no DTensor: the
+        # same ValueError on every rank, naming the ranks that differ, nothing scaled.
+        for key in ("kinds-False", "kinds-True", "no-dtensor"):
+            message, unchanged = results[key]
+            assert message == ranks[0][key][0]
+            assert str(list(range(1, world_size))) in message
+            assert unchanged

@@ -32,8 +32,21 @@ def clip_grad_norm_(
     DTensors on any meshes (FSDP2 on ``dp``, FSDP2 with TP on ``(dp, tp)``) in one call,
     which torch's cannot combine (pytorch#180346). Every rank of a mesh must pass the same
     parameters, as for torch's. The ranks combine the norms of their local shards (a
-    replicated shard counted once, empty ones left out) in at least float32. A plain
-    tensor's gradient is this rank's, as in torch, and is not communicated.
+    replicated shard counted once, empty ones left out) in at least float32.
+
+    A plain tensor whose gradient is a plain tensor is this rank's own, as in torch: its
+    gradient enters this rank's total as it is, is not communicated, and is scaled by this
+    rank's total. So the total is the same on every rank only when the plain gradients are
+    (as after DDP's all-reduce). A plain tensor whose gradient is a DTensor counts as that
+    DTensor, over the gradient's mesh.
+
+    In a process group of more than one rank, every rank of the default process group
+    calls it, even a rank that holds no DTensor: before any norm, the ranks agree in one
+    all-reduce over the default group (``2 * world_size + 2`` int32, on the device of the
+    group's object collectives) on which ranks hold DTensors on which meshes, so that a
+    rank which a mesh's ranks would wait for is refused on every rank instead of hanging
+    them. A call on only some of the default group's ranks (plain tensors on rank 0 only)
+    therefore waits for the others, unlike torch's.
 
     Args:
         parameters: A tensor or an iterable of tensors whose gradients are clipped.
@@ -49,14 +62,20 @@ def clip_grad_norm_(
         after DDP). A DTensor without a gradient on any rank takes no part.
 
     Raises:
-        ValueError: On every rank of its mesh, if a DTensor has a gradient on some ranks
-            and None on others (give it one on every rank, zeros, or on none), or if the
-            ranks pass different numbers of its DTensors (pass ``model.parameters()``).
-        RuntimeError: If ``error_if_nonfinite`` is set and the total norm is not finite, or
-            ``foreach=True`` and a gradient's device has no foreach kernels, as torch's.
-            After the ValueError or the non-finite refusal no gradient has changed.
+        ValueError: On every rank, before any gradient changes: if a DTensor has a gradient
+            on some ranks of its mesh and None on others (give it one on every rank, zeros,
+            or on none); if the ranks of a mesh pass different numbers of its DTensors, or a
+            rank passes none of a mesh it belongs to (pass ``model.parameters()`` on every
+            rank); or if a plain tensor's gradient is a DTensor on some ranks and a plain
+            tensor or None on others of that DTensor's mesh (give it one kind everywhere).
+        RuntimeError: On every rank, before any gradient changes, if ``norm_type`` is
+            ``inf`` or ``-inf`` and a gradient has no elements (a DTensor whose whole
+            tensor is empty, not only its shard here), which has no largest or smallest
+            value: torch's refuses it too. If ``error_if_nonfinite`` is set and the total
+            norm is not finite, or ``foreach=True`` and a gradient's device has no foreach
+            kernels, as torch's; after the non-finite refusal no gradient has changed.
 
-    Added in version v3.58.0.
+    Added in version v3.59.0.
 
     Examples:
         >>> import torch
@@ -68,6 +87,7 @@ def clip_grad_norm_(
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     groups = by_mesh(params)
+    agree(params, groups, norm_type)
     total = total_norm(groups, norm_type, foreach)
     check_finite(total, norm_type, error_if_nonfinite)
     clip_with_norm(groups, max_norm, total, foreach)
@@ -103,6 +123,78 @@ def by_mesh(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
 def _placed(param: torch.Tensor) -> torch.Tensor | None:
     """What places ``param`` on a mesh: the parameter if a DTensor, else its gradient."""
     return param if _is_dtensor(param) else param.grad
+
+
+def agree(params: list[torch.Tensor], groups: list[list[torch.Tensor]], norm_type: float) -> None:
+    """Refuse, on every rank, what would hang the ranks of a mesh or what torch refuses.
+
+    Under a process group, the ranks first agree in one all-reduce (MAX, none on one rank)
+    over the default group, the one group that every rank knows, even a rank that holds
+    nothing on the meshes of the others: ``2 * world_size + 2`` int32. For each rank
+    ``r`` it carries the most that other ranks need of ``r`` (1: its DTensors on a mesh that
+    holds ``r``; 2: a plain parameter's DTensor gradient on such a mesh) and the most that
+    ``r`` holds, then whether some rank has a gradient without elements under an ``inf`` or
+    ``-inf`` norm, and the first position in ``params`` of a plain parameter with a DTensor
+    gradient, which names it. Every rank raises the same error from the reduced values.
+
+    Raises:
+        ValueError: If a rank holds less than the others need of it.
+        RuntimeError: From :func:`refuse_empty`, for a gradient without elements.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        refuse_empty(has_empty(groups, norm_type), norm_type)  # and no DTensor can exist
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    state = torch.zeros(2 * world + 2, dtype=torch.int32)
+    for group in groups:
+        placed = _placed(group[0])
+        if _is_dtensor(placed):
+            # 2 where a plain parameter's gradient is a DTensor on this mesh, else 1.
+            level = 1 + any(not _is_dtensor(p) for p in group)
+            ranks = placed.device_mesh.mesh.flatten()  # type: ignore[union-attr]
+            state[ranks] = state[ranks].clamp(min=level)
+            state[world + rank] = max(int(state[world + rank]), level)
+    state[-2] = has_empty(groups, norm_type)
+    state[-1] = next(
+        (i + 1 for i, p in enumerate(params) if not _is_dtensor(p) and _is_dtensor(p.grad)), 0
+    )
+    if world > 1:
+        from torch.distributed.distributed_c10d import _get_object_coll_device  # noqa: PLC0415
+
+        state = state.to(_get_object_coll_device())
+        dist.all_reduce(state, op=dist.ReduceOp.MAX)
+    values = state.tolist()
+    needed, held = values[:world], values[world : 2 * world]
+    short = [r for r in range(world) if needed[r] > held[r]]
+    mixed = [r for r in short if needed[r] == 2]
+    if mixed:
+        raise ValueError(_MIXED.format(index=values[-1] - 1, ranks=mixed))
+    if short:
+        raise ValueError(_ABSENT.format(ranks=short))
+    refuse_empty(bool(values[-2]), norm_type)
+
+
+def has_empty(groups: list[list[torch.Tensor]], norm_type: float) -> bool:
+    """Whether ``norm_type`` is ``inf`` or ``-inf`` and a gradient of ``groups`` has no elements.
+
+    A DTensor gradient counts by its whole tensor, which every rank of its mesh knows; an
+    empty shard of a nonempty DTensor is not one.
+    """
+    grads = [p.grad for group in groups for p in group]
+    return math.isinf(norm_type) and any(g is not None and not g.numel() for g in grads)
+
+
+def refuse_empty(empty: bool, norm_type: float) -> None:
+    """Raise torch's refusal of an ``inf`` or ``-inf`` norm over a gradient without elements.
+
+    ``torch.nn.utils.get_total_norm`` refuses one, as the largest and smallest absolute
+    value of no elements are undefined; call it on every rank with the same ``empty``.
+
+    Raises:
+        RuntimeError: If ``empty``.
+    """
+    if empty:
+        raise RuntimeError(_EMPTY.format(norm_type=float(norm_type)))
 
 
 def total_norm(
@@ -229,6 +321,30 @@ def _missing(param: torch.Tensor) -> str:
         "param.grad = torch.zeros_like(param)) or on none (param.grad = None)"
     )
 
+
+_MIXED = (
+    "clip_grad_norm_: parameters[{index}], a plain tensor, has a DTensor gradient on some "
+    "ranks and a plain gradient or None on rank(s) {ranks}, which belong to that gradient's "
+    "device mesh, so the gradient is neither one DTensor nor each rank's own. Give it one "
+    "kind of gradient on every rank: a DTensor on the mesh everywhere "
+    "(DTensor.from_local(grad, mesh, placements)) or a plain tensor everywhere "
+    "(grad.full_tensor()). list(model.named_parameters())[{index}] names it when "
+    "model.parameters() was passed"
+)
+
+_ABSENT = (
+    "clip_grad_norm_: rank(s) {ranks} passed no DTensor of a device mesh they belong to, "
+    "while other ranks of that mesh passed some and would wait for them. Pass the same "
+    "parameters on every rank, such as model.parameters(), not a list filtered by "
+    "p.grad is not None"
+)
+
+_EMPTY = (
+    "clip_grad_norm_: the {norm_type} norm of a gradient without elements is undefined "
+    "(there is no largest or smallest value to take), and torch.nn.utils.clip_grad_norm_ "
+    "refuses it too. Leave the parameter out or set its grad to None, or clip with a "
+    "p-norm such as norm_type=2.0"
+)
 
 _UNEQUAL = (
     "clip_grad_norm_: the ranks of a device mesh passed different numbers of DTensor "
