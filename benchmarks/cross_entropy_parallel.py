@@ -16,11 +16,19 @@ does. Each rank measures as ``cross_entropy.measure`` does (warm-up on a small s
 resident set over the baseline of the allocated inputs), starting every step together after
 a barrier; the run reports the slowest rank's median step and the largest rank's peak.
 ``cross_entropy.py`` runs these variants beside its one-process ones.
+
+Each rank also counts, with ``CommDebugMode``, the collectives of one more step, untimed; and,
+for ``tp_toolkit``, those of the check that the ranks' targets and options agree, with the
+values they carry, and the check's median time in the timed steps. Run alone (not under
+``torchrun``) the script prints one variant's result::
+
+    python benchmarks/cross_entropy_parallel.py tp_toolkit 4096,512,32000 --steps 3
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -29,7 +37,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -38,9 +48,10 @@ from process_memory import MB, rss_bytes
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import RowwiseParallel, loss_parallel, parallelize_module
 
-from toolkit.nn import TiedLinear, TiedLinearParallel
+from toolkit.nn import TiedLinear, TiedLinearParallel, _cross_entropy
 
 VARIANTS = ("tp_loss_parallel", "tp_toolkit")
 WORLD_SIZE = 2
@@ -89,6 +100,40 @@ def _step(variant: str, head: TiedLinear, h: torch.Tensor, t: torch.Tensor) -> N
         raise ValueError(f"unknown variant {variant!r}")
 
 
+class _Check:
+    """The sharded loss's check of the ranks' targets and options: its all-reduces and time."""
+
+    def __init__(self) -> None:
+        self.all_reduces = self.values = 0
+        self.seconds: list[float] = []
+        self._in_check = False
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count the check's all-reduces, and time it."""
+        all_reduce, check = dist.all_reduce, _cross_entropy._check_same_call
+
+        def counted_all_reduce(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+            if self._in_check:
+                self.all_reduces += 1
+                self.values += tensor.numel()
+            return all_reduce(tensor, *args, **kwargs)  # type: ignore[arg-type]
+
+        def timed_check(*args: object, **kwargs: object) -> None:
+            self._in_check, start = True, time.perf_counter()
+            try:
+                check(*args, **kwargs)  # type: ignore[arg-type]
+            finally:
+                self.seconds.append(time.perf_counter() - start)
+                self._in_check = False
+
+        with (
+            mock.patch.object(dist, "all_reduce", counted_all_reduce),
+            mock.patch.object(_cross_entropy, "_check_same_call", timed_check),
+        ):
+            yield
+
+
 def measure_rank(variant: str, shape: tuple[int, int, int], steps: int) -> dict[str, float]:
     """On this rank: warm up, time ``steps`` steps, take the peak; gather over the ranks."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -101,20 +146,31 @@ def measure_rank(variant: str, shape: tuple[int, int, int], steps: int) -> dict[
     dist.barrier()
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
     baseline = rss_bytes("VmRSS")
-    times = []
+    times, timed = [], _Check()
     for _ in range(steps):
         embedding.weight.grad = None
         h.grad = None
         dist.barrier()
-        start = time.perf_counter()
-        _step(variant, head, h, t)
-        times.append(time.perf_counter() - start)
+        with timed.counting():  # one wrapper call a step: the check's time
+            start = time.perf_counter()
+            _step(variant, head, h, t)
+            times.append(time.perf_counter() - start)
     mine = (statistics.median(times), (rss_bytes("VmHWM") - baseline) / MB)
     ranks: list[tuple[float, float]] = [(0.0, 0.0)] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
+    counted = _Check()  # one more step, untimed: CommDebugMode slows every operation
+    with counted.counting(), CommDebugMode() as comm:
+        _step(variant, head, h, t)
+    check = statistics.median(timed.seconds) if timed.seconds else 0.0
+    checks: list[float] = [0.0] * dist.get_world_size()
+    dist.all_gather_object(checks, check)
     return {
         "seconds": max(seconds for seconds, _ in ranks),
         "peak_mb": max(peak for _, peak in ranks),
+        "collectives": comm.get_total_counts(),
+        "check_collectives": counted.all_reduces,
+        "check_values": counted.values,
+        "check_seconds": max(checks),
     }
 
 
@@ -136,13 +192,16 @@ def in_ranks(variant: str, shape: tuple[int, int, int], steps: int) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> None:
-    """One rank of ``in_ranks``: rank 0 prints the gathered result."""
+    """One rank of ``in_ranks``: rank 0 prints the gathered result; alone, run ``in_ranks``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variant", choices=VARIANTS)
     parser.add_argument("shape", help="TOKENS,HIDDEN,VOCAB")
     parser.add_argument("--steps", type=int, default=1, help="timed steps")
     args = parser.parse_args(argv)
     tokens, hidden, vocab = (int(n) for n in args.shape.split(","))
+    if "RANK" not in os.environ:  # not started by torchrun: start the ranks
+        print(json.dumps(in_ranks(args.variant, (tokens, hidden, vocab), args.steps)))
+        return
     dist.init_process_group("gloo")
     try:
         result = measure_rank(args.variant, (tokens, hidden, vocab), args.steps)

@@ -17,6 +17,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
 from tests.nn.ranks import process_group, run_processes
+from tests.nn.test_cross_entropy_ranks import DIFFERENCES, NAMES, call_with_one_difference
 from toolkit.nn import TiedLinear
 
 # 33,555 rows on 2 ranks: 16,778 and 16,777, whose own default chunks (64 MiB of float32
@@ -44,7 +45,7 @@ def _reference(weight: Tensor, x: Tensor, target: Tensor) -> list[Tensor]:
 
 def losses_in_a_rank() -> dict[str, Any]:
     """In each rank: the loss and gradients on each case's vocabulary shard (default chunk),
-    and the error for rank-local tokens."""
+    the error for rank-local tokens, and for each option that differs between the ranks."""
     results: dict[str, Any] = {}
     with process_group():
         mesh = init_device_mesh("cpu", (2,))
@@ -63,13 +64,18 @@ def losses_in_a_rank() -> dict[str, Any]:
                     head.cross_entropy(x[half], target[half])
                 except ValueError as error:
                     results["local"] = str(error)
+                for case in DIFFERENCES:
+                    try:
+                        call_with_one_difference(head, x, target, case)
+                    except ValueError as error:
+                        results[case] = str(error)
     return results
 
 
 def test_uneven_vocabulary_shards_give_one_process_results_distributed() -> None:
     """Uneven vocabularies (17 as 9 + 8 rows, 33,555 as 16,778 + 16,777) with the default
-    chunk: every rank takes the same chunks, so the all-reduces match; rank-local tokens are
-    refused on every rank."""
+    chunk: every rank takes the same chunks, so the all-reduces match; rank-local tokens, and
+    each option that differs between the ranks (some would hang), are refused on every rank."""
     ranks = run_processes(2, losses_in_a_rank, timeout=240.0)
     for name in CASES:
         expected = _reference(*_case(name))
@@ -77,3 +83,5 @@ def test_uneven_vocabulary_shards_give_one_process_results_distributed() -> None
             torch.testing.assert_close(result[name], expected, rtol=1e-4, atol=1e-5)
     for result in ranks:
         assert "same tokens and targets on every rank" in result["local"]
+        for case, named in DIFFERENCES.items():
+            assert [name for name in NAMES if f"{name} (" in result.get(case, "")] == list(named)

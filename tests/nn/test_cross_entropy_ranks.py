@@ -5,6 +5,7 @@ Each rank's results are compared with ``F.cross_entropy`` in one process on the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -321,41 +322,101 @@ def test_rank_local_tokens_on_a_vocabulary_shard_are_refused_on_every_rank() -> 
         )
 
 
-@pytest.mark.parametrize(
-    ("options", "named"),
-    [
-        ({"chunk_size": 2}, "chunk_size (2 here) differ"),  # 2 + rank
-        ({"ignore_index": -100}, "ignore_index (-100 here) differ"),  # -100 - rank
-        ({"chunk_size": 2, "ignore_index": -100}, "chunk_size (2 here) and ignore_index (-100 "),
-    ],
-)
-def test_a_different_chunk_or_ignore_index_on_a_vocabulary_shard_is_refused_on_every_rank(
-    options: dict[str, int], named: str
-) -> None:
-    """Another chunk would make all-reduces of other sizes (a hang), another ignore_index
-    another loss: refused on every rank, naming what differs, before any gradient. The
-    options of rank 0 are named on rank 0; the chunk is also refused with different targets."""
+# Each option that changes the loss, its gradients or the collectives, by the name the error
+# gives it: rank 0's and rank 1's keyword arguments where they differ in it. The others differ
+# in what the rank does around the call (see ``call_with_one_difference``).
+OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "chunk_size": ({"chunk_size": 2}, {"chunk_size": 3}),
+    "ignore_index": ({"ignore_index": -100}, {"ignore_index": -101}),
+    "reduction": ({"reduction": "mean"}, {"reduction": "sum"}),
+    "label_smoothing": ({"label_smoothing": 0.0}, {"label_smoothing": 0.1}),
+    "z_loss": ({"z_loss": 0.0}, {"z_loss": 0.01}),
+    "softcap": ({}, {"softcap": 4.0}),
+}
+# Each case: the options it names, and how rank 1's call differs from rank 0's.
+DIFFERENCES: dict[str, tuple[str, ...]] = {
+    **{name: (name,) for name in OPTIONS},
+    "reduction-none": ("reduction",),  # a gradient in forward on one rank only
+    "ignore_index-smallest-int64": ("ignore_index",),  # -2**63, which negation maps to itself
+    "dtype": ("dtype",),  # bfloat16 products under autocast on rank 1
+    "x.requires_grad": ("x.requires_grad",),  # x requires grad on rank 0 only
+    "weight.requires_grad": ("weight.requires_grad",),  # on rank 0 only
+    "grad-mode": ("x.requires_grad", "weight.requires_grad"),  # torch.no_grad() on rank 1
+}
+NAMES = ("chunk_size", "ignore_index", "reduction", "label_smoothing", "z_loss", "softcap")
+NAMES += ("dtype", "x.requires_grad", "weight.requires_grad")
+
+
+def call_with_one_difference(head: TiedLinear, x: Tensor, target: Tensor, case: str) -> Tensor:
+    """This rank's loss of ``x`` (a leaf copy is returned), differing from rank 0's as ``case``.
+
+    The rank is that of the default group; the weight's ``requires_grad`` is restored.
+    """
+    rank = torch.distributed.get_rank()
+    other = rank == 1
+    options = dict(OPTIONS[case][rank]) if case in OPTIONS else {}
+    if case == "reduction-none":
+        options["reduction"] = "none" if other else "sum"
+    if case == "ignore_index-smallest-int64":
+        options["ignore_index"] = -(2**63) if other else -100
+    leaf = x.clone().requires_grad_(not (other and case == "x.requires_grad"))
+    weight = head.tied_module.weight
+    weight.requires_grad_(not (other and case == "weight.requires_grad"))
+    grad_mode = torch.no_grad() if other and case == "grad-mode" else contextlib.nullcontext()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=other and case == "dtype")
+    try:
+        with grad_mode, autocast:
+            head.cross_entropy(leaf, target, **options)
+    finally:
+        weight.requires_grad_(True)
+    return leaf
+
+
+@pytest.mark.parametrize("case", DIFFERENCES)
+def test_an_option_that_differs_on_a_vocabulary_shard_is_refused_on_every_rank(case: str) -> None:
+    """Ranks that differ in an option would hang (another chunk, or a gradient of x reduced on
+    one rank only) or silently mix their statistics (another softcap, dtype, label_smoothing,
+    z_loss or reduction): refused with a ValueError on every rank, before any gradient, naming
+    what differs and nothing else; the targets differ too, and the options are said."""
     weight, x, target, _ = _case(17, 2)
 
-    def rank_main(rank: int) -> str:
+    def rank_main(rank: int) -> tuple[type[BaseException], str, Tensor | None]:
         head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
-        mine = {
-            key: value + rank * (1 if key == "chunk_size" else -1) for key, value in options.items()
-        }
-        leaf = x.clone().requires_grad_()
-        with pytest.raises(ValueError, match="every rank") as info:
-            head.cross_entropy(leaf, target.roll(rank), **mine)
-        assert leaf.grad is None
-        return str(info.value)
+        with pytest.raises(ValueError) as info:  # noqa: PT011 - the message is checked below
+            call_with_one_difference(head, x, target.roll(rank), case)
+        return info.type, str(info.value), head.tied_module.weight.grad
 
-    messages = run_threads(2, rank_main)
-    assert named in messages[0]
-    for message in messages:
-        assert message.startswith("TiedLinear.cross_entropy on a vocabulary-sharded weight")
-        assert "needs the same chunk_size and ignore_index on every rank" in message
-        assert message.endswith("pass the same ones on every rank.")
-        assert ("chunk_size (" in message) is ("chunk_size" in options)
-        assert ("ignore_index (" in message) is ("ignore_index" in options)
+    named = DIFFERENCES[case]
+    results = run_threads(2, rank_main)
+    for error, message, grad in results:
+        assert error is ValueError
+        assert grad is None
+        assert [name for name in NAMES if f"{name} (" in message] == list(named)
+    if case == "grad-mode":
+        assert results[1][1] == (  # the one whole-message check of this error
+            "TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same options, "
+            "dtype and requires_grad on every rank of the tensor-parallel group, but the ranks' "
+            "x.requires_grad (False here) and weight.requires_grad (False here) differ: pass "
+            "the same ones on every rank (requires_grad counts under grad mode only)."
+        )
+
+
+def test_the_same_options_however_written_are_taken_on_a_vocabulary_shard() -> None:
+    """``-0.0`` is ``0.0``, and no chunk_size the default chunk: the loss is one process's."""
+    weight, x, target, _ = _case(17, 2)
+    expected = _reference(weight, x, target, torch.ones(()))
+    written = ({"label_smoothing": 0.0, "z_loss": -0.0}, {"label_smoothing": -0.0, "z_loss": 0.0})
+
+    def rank_main(rank: int) -> list[Tensor]:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        leaf = x.clone().requires_grad_()
+        chunk = {"chunk_size": 10} if rank else {}  # 10 tokens: the default is one chunk
+        loss = head.cross_entropy(leaf, target, **written[rank], **chunk)
+        loss.backward()
+        return [loss.detach(), leaf.grad, head.tied_module.weight.grad.full_tensor()]
+
+    for result in run_threads(2, rank_main):
+        torch.testing.assert_close(result, expected)
 
 
 @pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")

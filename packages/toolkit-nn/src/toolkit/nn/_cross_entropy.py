@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
+import zlib
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
@@ -622,38 +624,67 @@ def _scale_saved(
 
 
 def _agree(mine: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-    """Per entry of ``mine``, whether every rank of the shard's group has the same value.
+    """Per entry of the int64 ``mine``, whether every rank of the shard's group has the same value.
 
-    The maximum of ``v`` and of ``-v`` over the group agree only if every rank has the same ``v``.
+    The maximum of ``v`` is the minimum only if every rank has the same ``v``, and the minimum is
+    ``~max(~v)``: ``~v = -v - 1`` maps every int64 to another (``-v`` would map the smallest to
+    itself), so one all-reduce of ``v`` and ``~v`` takes both, exactly.
     """
-    spread = _all_reduce(torch.cat([mine, -mine]), shard, torch.distributed.ReduceOp.MAX)
-    return spread[: len(mine)] == -spread[len(mine) :]
+    spread = _all_reduce(torch.cat([mine, ~mine]), shard, torch.distributed.ReduceOp.MAX)
+    return spread[: len(mine)] == ~spread[len(mine) :]
 
 
-def _check_same_call(target: torch.Tensor, shard: VocabShard, chunk: int, ignore: int) -> None:
+def _float_code(value: float) -> int:
+    """A float option ``value`` (never negative) as an int64, equal for equal values.
+
+    Its float64 bits, read as an integer: exact, where a float's value could round. ``abs``
+    takes ``-0.0``, which the options' checks let through, as ``0.0``.
+    """
+    return int.from_bytes(struct.pack("<d", abs(value)), "little")
+
+
+def _check_same_call(target: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool) -> None:
     """Raise, on every rank of the shard's group, unless all have the same targets and options.
 
     The per-token statistics of the ranks are summed: a rank with other tokens (under sequence
-    parallelism, its own slice) would mix them silently, another chunk would make all-reduces
-    of other sizes (a hang), another ``ignore_index`` another loss. First the number of tokens,
-    the chunk and ``ignore_index``, so that the second all-reduce has one size on every rank,
-    then the targets. Not made under ``torch.compile``, where it would break the graph.
+    parallelism, its own slice) would mix them silently, and so would another softcap, dtype,
+    label_smoothing or z_loss; another chunk, reduction or ``requires_grad`` would make
+    all-reduces of other sizes or make one rank reduce x's gradient alone (a hang), and another
+    ``ignore_index`` or reduction would give another loss and weight gradient. First the number
+    of tokens and every option, in one all-reduce of fixed size, so that the second has one
+    size on every rank, then the targets. These are the only collectives the check makes; the
+    options cost no collective of their own. Not made under ``torch.compile``, where it would
+    break the graph.
     """
-    if torch.compiler.is_compiling():
+    shard = o.shard
+    if shard is None or torch.compiler.is_compiling():
         return
     flat = target.reshape(-1)
-    options = (flat.numel(), chunk, ignore)
-    same = _agree(flat.new_tensor(options), shard)
+    # (name, value shown, int64 code) for each option; the floats by their bits, exactly.
+    options = (
+        ("chunk_size", o.chunk_size, o.chunk_size),
+        ("ignore_index", o.ignore_index, o.ignore_index),
+        ("reduction", o.reduction, _REDUCTIONS.index(o.reduction)),
+        ("label_smoothing", o.label_smoothing, _float_code(o.label_smoothing)),
+        ("z_loss", o.z_loss, _float_code(o.z_loss)),
+        # 0.0, which no softcap can be, for None.
+        ("softcap", o.softcap, _float_code(o.softcap or 0.0)),
+        ("dtype", o.mm_dtype, zlib.crc32(str(o.mm_dtype).encode())),
+        ("x.requires_grad", want_x, int(want_x)),
+        ("weight.requires_grad", want_w, int(want_w)),
+    )
+    same = _agree(flat.new_tensor([flat.numel(), *(code for _, _, code in options)]), shard)
     if same[0] and not same.all():  # a different count is said below, as different tokens
         differ = " and ".join(
-            f"{name} ({options[i]} here)"
-            for i, name in ((1, "chunk_size"), (2, "ignore_index"))
-            if not same[i]
+            f"{name} ({shown!r} here)"
+            for (name, shown, _), agreed in zip(options, same[1:].tolist(), strict=True)
+            if not agreed
         )
         raise ValueError(
-            f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same chunk_size "
-            f"and ignore_index on every rank of the tensor-parallel group, but the ranks' "
-            f"{differ} differ: pass the same ones on every rank."
+            f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same options, "
+            f"dtype and requires_grad on every rank of the tensor-parallel group, but the "
+            f"ranks' {differ} differ: pass the same ones on every rank (requires_grad counts "
+            f"under grad mode only)."
         )
     if not (same[0] and _agree(flat, shard).all()):
         raise ValueError(
@@ -684,9 +715,12 @@ def linear_cross_entropy(
 
     With ``shard``, ``weight`` is this rank's rows of the vocabulary and the loss and x's
     gradient are those of the whole vocabulary, reduced over the shard's group; every rank
-    must have the same targets, ``chunk_size`` and ``ignore_index`` (compared first, a
-    ``ValueError`` on every rank otherwise; not under ``torch.compile``), and the default chunk
-    comes from the whole vocabulary.
+    must have the same targets and options (``ignore_index``, ``reduction``,
+    ``label_smoothing``, ``z_loss``, ``softcap``, the chunk), the same products' dtype and,
+    under grad mode, the same ``requires_grad`` of ``x`` and of ``weight``. They are compared
+    first, in the two all-reduces of the check: a ``ValueError`` on every rank names what
+    differs (not under ``torch.compile``, where the check would break the graph). The default
+    chunk comes from the whole vocabulary.
 
     The logits are widened to float32 from bfloat16 and float16, and soft-capped. The loss
     has the accumulation dtype: float32 when the products run in bfloat16 or float16,
@@ -702,8 +736,6 @@ def linear_cross_entropy(
     chunk = chunk_size or default_chunk_size(
         target.numel(), weight.shape[0] if shard is None else shard.vocab, _accumulation_dtype(mm)
     )
-    if shard is not None:
-        _check_same_call(target, shard, chunk, ignore_index)
     o = _Options(
         ignore_index,
         reduction,
@@ -715,7 +747,9 @@ def linear_cross_entropy(
         shard,
     )
     grad = torch.is_grad_enabled()
-    args = (x, weight, target, o, grad and x.requires_grad, grad and weight.requires_grad)
+    want_x, want_w = grad and x.requires_grad, grad and weight.requires_grad
+    _check_same_call(target, o, want_x=want_x, want_w=want_w)
+    args = (x, weight, target, o, want_x, want_w)
     with torch.autocast(x.device.type, enabled=False):
         if torch.compiler.is_compiling():
             return _LinearCrossEntropy.apply(*args)[0]  # type: ignore[no-untyped-call,no-any-return]
