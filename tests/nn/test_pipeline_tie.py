@@ -169,8 +169,8 @@ def test_the_check_names_the_first_difference_and_the_fix() -> None:
     assert str(info.value) == (
         "the copies of the tied weight 'emb.weight' differ: copy 1 on group rank 0 has 7.0 at "
         f"index (3, 2), where the first copy on group rank 0 has {expected!r} (2 of 136 "
-        "elements differ). Call PipelineTie.reduce_grads() after every backward and before the "
-        "optimizer step, and broadcast() after loading a state dict other than with DCP"
+        "elements differ). Call PipelineTie.reduce_grads() after the schedule's step and before "
+        "the optimizer step, and broadcast() after loading a state dict other than with DCP"
     )
 
 
@@ -207,6 +207,79 @@ def test_accumulating_into_three_copies_on_one_rank_counts_each_backward_once() 
     tie.reduce_grads()
     for stage in (first, last, third):
         torch.testing.assert_close(stage.emb.weight.grad, 2 * once)
+
+
+def two_stage_loss(first: nn.Module, last: nn.Module) -> torch.Tensor:
+    return last(first(torch.tensor([[1, 2, 3]]))).square().sum()  # type: ignore[no-any-return]
+
+
+def test_a_backward_of_a_forward_run_before_reduce_grads_counts_once() -> None:
+    # A loop that runs both forwards, then reduces between the two backward passes.
+    first, last = stages_of(0, 2)
+    tie = PipelineTie([first, last])
+    early, late = two_stage_loss(first, last), two_stage_loss(first, last)
+    early.backward()
+    tie.reduce_grads()
+    late.backward()
+    tie.reduce_grads()
+    whole = whole_model(initial_state())
+    (2 * whole(torch.tensor([[1, 2, 3]])).square().sum()).backward()
+    for stage in (first, last):
+        torch.testing.assert_close(stage.emb.weight.grad, whole.emb.weight.grad)
+
+
+def test_forwards_between_the_reduction_and_the_step_leave_the_sum_on_every_copy() -> None:
+    first, last = stages_of(0, 2)
+    tie = PipelineTie([first, last])
+    two_stage_loss(first, last).backward()
+    tie.reduce_grads()
+    summed = first.emb.weight.grad.clone()  # type: ignore[union-attr]
+    with torch.no_grad():  # an evaluation between the reduction and the optimizer step
+        two_stage_loss(first, last)
+    two_stage_loss(first, last)  # a forward with gradients and no backward
+    for stage in (first, last):
+        assert torch.equal(stage.emb.weight.grad, summed)  # type: ignore[arg-type]
+    # A backward clears the last stage's copy first: it then holds its own gradient only.
+    last.out.head(torch.ones(1, 8)).sum().backward()
+    assert torch.equal(first.emb.weight.grad, summed)  # type: ignore[arg-type]
+    expected = torch.ones(17, 8)
+    assert torch.equal(last.emb.weight.grad, expected)  # type: ignore[arg-type]
+
+
+def test_a_backward_into_a_copy_the_tie_did_not_see_read_is_refused_and_changes_nothing() -> None:
+    first, last = stages_of(0, 2)
+    tie = PipelineTie([first, last])
+    two_stage_loss(first, last).backward()
+    tie.reduce_grads()
+    # A gradient added the way FSDP2 adds it (no autograd hook of the copy runs), after the
+    # post-accumulate hooks: the sum the copy holds cannot be taken out.
+    weight = last.emb.weight
+    weight.grad.add_(1.0)  # type: ignore[union-attr]
+    for hook in (weight._post_accumulate_grad_hooks or {}).values():
+        hook(weight)
+    copies = (first.emb.weight, last.emb.weight)
+    before = [p.grad.clone() for p in copies]  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="reduce_grads"):
+        tie.reduce_grads()
+    assert all(torch.equal(p.grad, g) for p, g in zip(copies, before, strict=True))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("norm_type", [INF, -INF, 2.0])
+def test_one_rank_treats_a_gradient_without_elements_as_torch(norm_type: float) -> None:
+    def params() -> list[nn.Parameter]:
+        full, empty = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(0))
+        full.grad, empty.grad = torch.full((3,), 2.0), torch.ones(0)
+        return [full, empty]
+
+    try:
+        expected: Any = torch.nn.utils.clip_grad_norm_(params(), 1.0, norm_type)
+    except RuntimeError as error:
+        expected = type(error)
+    try:
+        result: Any = pipeline_clip_grad_norm_(params(), 1.0, norm_type)
+    except RuntimeError as error:
+        result = type(error)
+    assert (result == expected) if isinstance(expected, type) else torch.equal(result, expected)
 
 
 # Both stages on this rank under a looped schedule: the whole model, without communication. ----

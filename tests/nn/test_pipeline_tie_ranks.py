@@ -16,11 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.nn.distributed.pipeline_lm import (
     StageLM,
     random_grads,
+    split,
     stages_of,
     whole_clip,
     whole_model,
@@ -140,6 +142,57 @@ def test_one_ranks_refused_stages_are_refused_on_every_rank(case: str) -> None:
         assert messages[0] == expected
     for fact in () if isinstance(expected, str) else expected:
         assert fact in messages[0]
+
+
+def test_middle_stages_without_a_copy_alike_in_their_names_are_no_replicas() -> None:
+    # Four stages whose blocks are numbered from 0 on each: the two middle stages hold no copy
+    # and the same parameter names, which makes them no replicas of one stage.
+    model = whole_model(initial_state())
+    middle = split(model, 1, 3, renumber=True)  # one block, numbered 0
+    stages = [split(model, 0, 2), middle, copy.deepcopy(middle), split(model, 1, 2)]
+    assert sorted(dict(stages[1].named_parameters())) == sorted(dict(stages[2].named_parameters()))
+    torch.manual_seed(3)
+    grads = [torch.randn(17, 8), torch.randn(17, 8)]
+
+    def rank_main(rank: int) -> list[int]:
+        stage = copy.deepcopy(stages[rank])
+        tie = PipelineTie(stage, dist.group.WORLD)
+        if stage.emb is not None:
+            stage.emb.weight.grad = grads[rank // 3].clone()
+            tie.reduce_grads()
+            torch.testing.assert_close(stage.emb.weight.grad, grads[0] + grads[1])
+        else:
+            tie.reduce_grads()
+        return repr(tie).split("copies_on_this_rank=")[1]
+
+    copies = ["{emb: 1}, group_size=4)", "{emb: 0}, group_size=4)"]
+    assert run_threads(4, rank_main) == [copies[0], copies[1], copies[1], copies[0]]
+
+
+@pytest.mark.parametrize("norm_type", [INF, -INF])
+def test_an_inf_norm_over_a_gradient_without_elements_is_refused_on_every_stage(
+    norm_type: float,
+) -> None:
+    # torch refuses it in one process; a stage holding such a gradient, here the last, must
+    # not leave the others waiting in the pipeline's all-reduce.
+    alone = nn.Parameter(torch.ones(0))
+    alone.grad = torch.ones(0)
+    with pytest.raises(RuntimeError):
+        torch.nn.utils.clip_grad_norm_([alone], 1.0, norm_type)
+    stages = stages_of(0, 2)
+
+    def rank_main(rank: int) -> bool:
+        stage = copy.deepcopy(stages[rank])
+        empty = nn.Parameter(torch.ones(0, 8))
+        empty.grad = torch.ones(0, 8)
+        params = [*stage.parameters(), *([empty] if rank == 1 else [])]
+        for param in stage.parameters():
+            param.grad = torch.ones_like(param)
+        with pytest.raises(RuntimeError, match="inf"):
+            pipeline_clip_grad_norm_(params, 0.5, norm_type, group=dist.group.WORLD)
+        return all(torch.equal(p.grad, torch.ones_like(p)) for p in stage.parameters())
+
+    assert run_threads(2, rank_main) == [True, True]  # nothing was scaled
 
 
 # Groups: two pipelines side by side, ranks 0 and 1 in one, 2 and 3 in the other. -------------
@@ -281,16 +334,26 @@ def test_three_copies_on_three_ranks_are_summed_and_clipped_as_one_weight() -> N
 # Training: one stage per rank, the hidden states passed as a schedule would send them. --------
 
 
-def exchange(tensor: torch.Tensor | None, source: int) -> torch.Tensor:
-    """``tensor`` of rank ``source``, given to every rank."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, tensor)
+def exchange(
+    tensor: torch.Tensor | None, source: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """``tensor`` of group rank ``source``, given to every rank of ``group``."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, tensor, group=group)
     return gathered[source]  # type: ignore[no-any-return]
 
 
-def pipeline_backward(rank: int, n: int, stage: nn.Module, tokens: Any, targets: Any) -> None:
-    """One microbatch's forward and backward through ``n`` stages, stage ``rank`` on this rank;
-    the loss divided by the number of microbatches, as with ``scale_grads=False``."""
+def pipeline_backward(
+    rank: int,
+    n: int,
+    stage: nn.Module,
+    tokens: Any,
+    targets: Any,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """One microbatch's forward and backward through ``n`` stages, stage ``rank`` (of
+    ``group``) on this rank; the loss divided by the number of microbatches, as with
+    ``scale_grads=False``."""
     x: torch.Tensor = tokens
     out = inp = None
     for s in range(n):
@@ -298,11 +361,11 @@ def pipeline_backward(rank: int, n: int, stage: nn.Module, tokens: Any, targets:
             inp = x if s == 0 else x.detach().requires_grad_()
             out = stage(inp)
         if s < n - 1:
-            x = exchange(out.detach() if rank == s else None, s)  # type: ignore[union-attr]
+            x = exchange(out.detach() if rank == s else None, s, group)  # type: ignore[union-attr]
     if rank == n - 1:
         (loss_fn(out, targets) / CHUNKS).backward()  # type: ignore[arg-type]
     for s in reversed(range(1, n)):
-        grad = exchange(inp.grad if rank == s else None, s)  # type: ignore[union-attr]
+        grad = exchange(inp.grad if rank == s else None, s, group)  # type: ignore[union-attr]
         if rank == s - 1:
             out.backward(grad)  # type: ignore[union-attr]
 
@@ -407,40 +470,35 @@ def test_reduce_grads_without_gradients_keeps_none_and_twice_keeps_the_sum(
             tie.reduce_grads()
             assert calls[rank] == ["all_reduce"]
             torch.testing.assert_close(stage.emb.weight.grad, expected)
-        # Its hooks are registered once per Parameter, not once per call.
-        assert len(stage.emb.weight._backward_hooks) == 1  # type: ignore[arg-type]
-        assert len(stage.emb.weight._post_accumulate_grad_hooks) == 1  # type: ignore[arg-type]
+        # Its hook is registered once per Parameter, not once per call.
+        hooks = stage.emb.weight._post_accumulate_grad_hooks
+        assert len(hooks or {}) == (0 if rank == 0 else 1)  # only a copy given the sum has one
 
     run_threads(2, rank_main)
 
 
-def test_dtensor_copies_are_summed_by_shard_and_fsdp2s_accumulation_onto_the_sum_counted_once(
+def test_dtensor_copies_are_summed_by_shard_and_a_copy_without_a_gradient_given_the_sum(
     calls: dict[int, list[str]],
 ) -> None:
-    # Rank dp * 2 + pp holds stage pp, its copy sharded over "dp" (17 rows: 9 and 8). FSDP2 adds
-    # a reduce-scattered gradient into the sharded one, then runs the post-accumulate hooks,
-    # without autograd's pre-accumulation hooks and without a version bump of the gradient:
-    # as fsdp2_accumulate does.
+    # Rank dp * 2 + pp holds stage pp, its copy sharded over "dp" (17 rows: 9 and 8). FSDP2 sets
+    # a reduce-scattered gradient on the sharded Parameter, then runs the post-accumulate
+    # hooks, as fsdp2_gradient does; training under FSDP2 itself is tested below.
     stages = stages_of(0, 2)
     emb = initial_state()["emb.weight"]
     head_grad = torch.arange(17 * 8, dtype=torch.float32).view(17, 8)
 
-    def fsdp2_accumulate(param: nn.Parameter, local: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None:
-            param.grad = DTensor.from_local(
-                local.clone(),
-                param.device_mesh,
-                param.placements,
-                shape=param.shape,
-                stride=param.stride(),
-            )
-        else:
-            grad._local_tensor += local  # type: ignore[attr-defined]
+    def fsdp2_gradient(param: nn.Parameter, local: torch.Tensor) -> None:
+        param.grad = DTensor.from_local(
+            local.clone(),
+            param.device_mesh,
+            param.placements,
+            shape=param.shape,
+            stride=param.stride(),
+        )
         for hook in (param._post_accumulate_grad_hooks or {}).values():
             hook(param)
 
-    def rank_main(rank: int) -> str:
+    def rank_main(rank: int) -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
         pp = mesh["pp"].get_local_rank()
         stage = copy.deepcopy(stages[pp])
@@ -456,7 +514,7 @@ def test_dtensor_copies_are_summed_by_shard_and_fsdp2s_accumulation_onto_the_sum
         assert weight.grad is None
         local = distribute_tensor(head_grad, mesh["dp"], [Shard(0)]).to_local()
         if pp == 1:  # only the head's copy has a gradient: the lookup's copy is given it
-            fsdp2_accumulate(weight, local)
+            fsdp2_gradient(weight, local)
         tie.reduce_grads()
         grad = weight.grad
         assert isinstance(grad, DTensor)
@@ -468,32 +526,81 @@ def test_dtensor_copies_are_summed_by_shard_and_fsdp2s_accumulation_onto_the_sum
         assert type(norm) is torch.Tensor
         torch.testing.assert_close(norm, torch.linalg.vector_norm(head_grad))
         torch.testing.assert_close(grad.full_tensor(), head_grad * (0.5 / (norm + 1e-6)))
-        # zero_grad(set_to_none=False), then a backward: the sum is taken again, once.
-        grad.zero_()
-        fsdp2_accumulate(weight, local * (pp + 1))
-        tie.reduce_grads()
-        torch.testing.assert_close(grad.full_tensor(), head_grad * 3)
-        # A backward onto the written sum, without zeroing, on both stages: the sum counts it
-        # once, and each new gradient once (3 + 1 + 1).
-        fsdp2_accumulate(weight, local)
-        tie.reduce_grads()
-        torch.testing.assert_close(grad.full_tensor(), head_grad * 5)
-        # Scaled in place after the addition, as the schedule's scale_grads does: (5 + 1 + 1) / 5.
-        fsdp2_accumulate(weight, local)
-        grad.div_(5)
-        tie.reduce_grads()
-        torch.testing.assert_close(grad.full_tensor(), head_grad * 1.4)
-        torch.optim.SGD([weight], lr=0.1).zero_grad(set_to_none=True)
-        fsdp2_accumulate(weight, local * (pp + 1))
-        tie.reduce_grads()
-        torch.testing.assert_close(weight.grad.full_tensor(), head_grad * 3)
-        # Only the first stage's copy, which carries the sum, accumulates onto it: once.
-        if pp == 0:
-            fsdp2_accumulate(weight, local)
-        tie.reduce_grads()
-        torch.testing.assert_close(weight.grad.full_tensor(), head_grad * 4)
 
     run_threads(4, rank_main)
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.5, foreach=True),
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.5, fused=True),
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9, weight_decay=0.5),
+}
+# (optimizer, FSDP2 setting, zero_grad's set_to_none, reduce_grads after each schedule step)
+FSDP2_CASES = [
+    ("adamw-foreach", "default", False, True),
+    ("adamw-fused", "default", False, False),
+    ("adamw-foreach", "keep-after-backward", False, True),
+    ("sgd", "keep-after-forward", False, True),
+    ("adamw-fused", "sync-last", False, True),
+    ("sgd", "sync-last", True, False),
+    ("adamw-foreach", "keep-after-backward", True, False),
+]
+
+
+def reference_fsdp2(optimizer: str) -> dict[str, torch.Tensor]:
+    """The whole model trained with ``optimizer`` and clipping, ``CHUNKS`` per step."""
+    model = whole_model(initial_state())
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    for tokens, targets in batches(2, 2):
+        opt.zero_grad()
+        for t, y in zip(tokens.chunk(CHUNKS), targets.chunk(CHUNKS), strict=True):
+            (loss_fn(model(t), y) / CHUNKS).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize(("optimizer", "setting", "set_to_none", "each"), FSDP2_CASES)
+def test_fsdp2_stages_train_as_one_model_whatever_the_zeroing_and_reshard_settings(
+    optimizer: str, setting: str, set_to_none: bool, each: bool
+) -> None:
+    # pp=2 x dp=2: each FSDP2 replica of a stage takes one row of each microbatch.
+    expected = reference_fsdp2(optimizer)
+    stages = stages_of(0, 2)
+
+    def rank_main(rank: int) -> dict[str, torch.Tensor]:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+        stage = copy.deepcopy(stages[pp])
+        fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=setting != "keep-after-forward")
+        if setting == "keep-after-backward":
+            stage.set_reshard_after_backward(False)
+        tie = PipelineTie(stage, mesh["pp"])
+        opt = OPTIMIZERS[optimizer](stage.parameters())
+        params = [p for group in opt.param_groups for p in group["params"]]  # the sharded ones
+        for tokens, targets in batches(2, 2):
+            opt.zero_grad(set_to_none=set_to_none)
+            chunks = list(zip(tokens.chunk(CHUNKS), targets.chunk(CHUNKS), strict=True))
+            for step in range(ACCUMULATION):
+                if setting == "sync-last":
+                    stage.set_requires_gradient_sync(step == ACCUMULATION - 1)
+                for t, y in chunks[step * MICRO : (step + 1) * MICRO]:
+                    rows = slice(dp, dp + 1)
+                    pipeline_backward(pp, 2, stage, t[rows], y[rows], mesh["pp"].get_group())
+                if each:
+                    tie.reduce_grads()
+            tie.reduce_grads()
+            pipeline_clip_grad_norm_(params, 0.5, tie=tie)
+            opt.step()
+        tie.check()
+        return {
+            name: p.full_tensor()  # type: ignore[attr-defined]
+            for name, p in zip([n for n, _ in stage.named_parameters()], params, strict=True)
+        }
+
+    for state in run_threads(4, rank_main):
+        for name, value in state.items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_float64_tied_weights_are_broadcast_and_summed_in_float64() -> None:

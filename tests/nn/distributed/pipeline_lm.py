@@ -1,8 +1,9 @@
 """The tiny tied LM of ``tiny_lm`` cut into pipeline stages, and its training in one process.
 
 Each stage is a deep copy of the whole model with the other stages' modules replaced by
-``nn.Identity`` or ``None``, so every module keeps its qualified name in the whole model; the
-last stage keeps its copy of the embedding registered, read by its head.
+``nn.Identity`` or ``None``, so every module keeps its qualified name in the whole model (unless
+``split`` renumbers the blocks); the last stage keeps its copy of the embedding registered, read
+by its head.
 """
 
 from __future__ import annotations
@@ -32,19 +33,34 @@ class StageLM(TinyLM):
         return h if self.out is None else self.out(h)
 
 
-def whole_model(state: dict[str, Any]) -> StageLM:
-    model = StageLM()
+def whole_model(state: dict[str, Any], n_blocks: int = 2) -> StageLM:
+    model = StageLM(n_blocks=n_blocks)
     model.load_state_dict(state)
     return model
 
 
-def split(model: StageLM, stage_index: int, num_stages: int) -> StageLM:
-    """Stage ``stage_index`` of ``num_stages``: block ``i`` on stage ``i * stages // blocks``."""
+def stage_blocks(stage_index: int, num_stages: int, n_blocks: int) -> list[int]:
+    """The blocks of stage ``stage_index``: block ``i`` is on stage ``i * stages // blocks``."""
+    return [i for i in range(n_blocks) if i * num_stages // n_blocks == stage_index]
+
+
+def split(model: StageLM, stage_index: int, num_stages: int, *, renumber: bool = False) -> StageLM:
+    """Stage ``stage_index`` of ``num_stages``, holding the blocks of ``stage_blocks``.
+
+    The other stages' blocks are ``nn.Identity`` placeholders, so every block keeps its index
+    in the whole model; with ``renumber`` the stage holds only its own blocks, numbered from 0,
+    so that stages without the embedding have the same parameter names (``whole_name`` maps
+    them back).
+    """
     stage = copy.deepcopy(model)
     n_blocks = len(stage.blocks)
-    for i in range(n_blocks):
-        if i * num_stages // n_blocks != stage_index:
-            stage.blocks[i] = nn.Identity()
+    own = stage_blocks(stage_index, num_stages, n_blocks)
+    if renumber:
+        stage.blocks = nn.ModuleList(stage.blocks[i] for i in own)
+    else:
+        for i in range(n_blocks):
+            if i not in own:
+                stage.blocks[i] = nn.Identity()
     if stage_index != num_stages - 1:
         stage.out = None  # type: ignore[assignment]
     if stage_index != 0:
@@ -52,6 +68,17 @@ def split(model: StageLM, stage_index: int, num_stages: int) -> StageLM:
         if stage_index != num_stages - 1:
             stage.emb = None  # type: ignore[assignment]
     return stage
+
+
+def whole_name(
+    name: str, stage_index: int, num_stages: int, n_blocks: int, *, renumber: bool
+) -> str:
+    """The whole model's name of parameter ``name`` of a stage that ``split`` made."""
+    if not renumber or not name.startswith("blocks."):
+        return name
+    _, index, rest = name.split(".", 2)
+    first = stage_blocks(stage_index, num_stages, n_blocks)[0]
+    return f"blocks.{int(index) + first}.{rest}"
 
 
 def stages_of(seed: int, num_stages: int) -> list[StageLM]:

@@ -12,7 +12,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.nn._clip_grad import by_layout, by_mesh, check_finite, clip_with_norm, total_norm
+from toolkit.nn._clip_grad import (
+    by_layout,
+    by_mesh,
+    check_finite,
+    clip_with_norm,
+    has_empty,
+    refuse_empty,
+    total_norm,
+)
 from toolkit.nn._common import _describe, _is_dtensor
 from toolkit.nn._tied_linear import TiedLinear
 
@@ -110,10 +118,12 @@ class PipelineTie:
             self._layouts[name] = checks[first][1][name]
             for rank in others:
                 _refuse_unlike(name, (first, checks[first][1]), (rank, checks[rank][1]))
-        self._copies = {
-            name: [m.get_submodule(name) for m in modules if _holds_copy(m, name)]
-            for name in self.names
+        # Each copy with the modules on its path from its stage: an FSDP2 module among them
+        # holds the copy's sharded Parameter, which the gradients are added into.
+        self._paths = {
+            name: [_path(m, name) for m in modules if _holds_copy(m, name)] for name in self.names
         }
+        self._copies = {name: [path[-1] for path in paths] for name, paths in self._paths.items()}
         # The weights held by more than one rank are summed in one all_reduce over the group.
         self._shared = [name for name in self.names if len(self._holders[name]) > 1]
         # One buffer for every tied weight: their gradients' common dtype, on this rank's device.
@@ -122,8 +132,28 @@ class PipelineTie:
         )
         weights = [_weight(c) for copies in self._copies.values() for c in copies]
         self._device = _device([*weights, *(p for m in modules for p in m.parameters())])
-        self._written: dict[tuple[str, int], _Mark] = {}
-        self._hooked: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
+        # The copies, all but the first, that the last reduce_grads() gave the sum, by id, until
+        # a backward on this rank clears them (see reduce_grads).
+        self._summed: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref[torch.Tensor]]] = {}
+        self._late_backward = False  # a gradient added into a copy of ``_summed``
+        self._unsharded: set[int] = set()  # the FSDP2 copies whose owner hooks their weight
+        # The tensors given the clearing hook, and the copies given the late check, by id: an
+        # entry goes with its tensor (a forward may read a new tensor as the weight each time).
+        self._hooked: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._watched: weakref.WeakValueDictionary[int, torch.Tensor] = (
+            weakref.WeakValueDictionary()
+        )
+        # A backward into a copy goes through the tensor its module or a TiedLinear read as the
+        # weight (under FSDP2 the unsharded Parameter, swapped in for the forward): each such
+        # tensor is given the hook that clears the summed copies before autograd adds into it.
+        this = weakref.ref(self)
+        copies = {id(c): c for held in self._copies.values() for c in held}
+        for copy in copies.values():
+            copy.register_forward_pre_hook(functools.partial(_before_read, this, None))
+        for stage in modules:
+            for _, head in _tied_linears(stage):
+                if id(head.tied_module) in copies:
+                    head.linear.register_forward_pre_hook(functools.partial(_before_read, this, 1))
         self.broadcast()
 
     def _weights(self, name: str) -> list[torch.Tensor]:
@@ -141,7 +171,6 @@ class PipelineTie:
             dist.broadcast(tensor, group=self.group, group_src=self._holders[name][0])
         return tensor
 
-    @torch.no_grad()
     def broadcast(self) -> None:
         """Make every copy equal to the first copy of the first group rank holding one.
 
@@ -150,36 +179,64 @@ class PipelineTie:
         broadcasts its local shard, which covers the same rows on every stage. A rank
         without a copy takes part in the broadcast and keeps nothing.
         """
-        for name in self.names:
-            weights = self._weights(name)
-            source = self._source(name, weights[0] if weights else None)
-            for weight in weights[1:]:
-                weight.copy_(source)  # type: ignore[arg-type] # weights[0] or its broadcast
+        with torch.no_grad():
+            for name in self.names:
+                weights = self._weights(name)
+                source = self._source(name, weights[0] if weights else None)
+                for weight in weights[1:]:
+                    weight.copy_(source)  # type: ignore[arg-type] # weights[0] or its broadcast
 
     def _is_primary(self, key: tuple[str, int]) -> bool:
         """Whether copy ``key`` is the one whose gradient carries what the copies share."""
         name, index = key
         return index == 0 and self._rank == self._holders[name][0]
 
-    def _local_sum(self, name: str, out: torch.Tensor) -> bool:
-        """Add this rank's part of ``name``'s gradient into ``out``; whether any copy had one.
+    def _gradient_holders(self, name: str) -> list[nn.Parameter]:
+        """The Parameters that hold the gradients of ``name``'s copies on this rank.
 
-        A copy other than the first one still holding the gradient the last call wrote, not
-        accumulated onto since, adds nothing: the first copy holds that part once.
+        FSDP2 adds a copy's gradient into its sharded Parameter. A module it keeps unsharded
+        after backward (``set_reshard_after_backward(False)``) shows the unsharded one, so that
+        module is resharded first, as it would be after any default backward. The module's
+        forwards, after FSDP2 has unsharded it, give the clearing hook (see reduce_grads) to
+        the unsharded Parameter, which is read whatever reads it (``TiedLinear.cross_entropy``
+        too).
         """
-        present = False
-        for index, module in enumerate(self._copies[name]):
-            key = (name, index)
-            grad = _weight(module).grad
-            if grad is None:
-                continue
-            present = True
-            written = self._written.get(key)
-            if written is None or not written.holds(grad) or self._is_primary(key):
-                out.add_(_local(grad))
-        return present
+        from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 - needs distributed
 
-    @torch.no_grad()
+        params = []
+        for path in self._paths[name]:
+            owner = next((m for m in reversed(path) if isinstance(m, FSDPModule)), None)
+            if owner is not None:
+                if not _is_dtensor(_weight(path[-1])):
+                    owner.reshard()
+                if id(path[-1]) not in self._unsharded:
+                    hook = functools.partial(_after_unshard, weakref.ref(self), path[-1])
+                    owner.register_forward_pre_hook(hook)  # after FSDP2's, which it prepends
+                    self._unsharded.add(id(path[-1]))
+            params.append(_weight(path[-1]))
+        return params
+
+    def _summed_copy(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is a copy the last reduce_grads() gave the sum, not read since."""
+        summed = self._summed.get(id(param))
+        return summed is not None and summed[0]() is param
+
+    def _holds_sum(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient is still the tensor the last reduce_grads() wrote.
+
+        A gradient assigned since is that copy's own, whatever it holds.
+        """
+        summed = self._summed.get(id(param))
+        return self._summed_copy(param) and summed[1]() is param.grad  # type: ignore[index]
+
+    def _take_back(self) -> None:
+        """Clear the copies that the last reduce_grads() gave the sum: the first carries it."""
+        for ref, _ in self._summed.values():
+            param = ref()
+            if param is not None and param.grad is not None:
+                _local(param.grad).zero_()
+        self._summed.clear()
+
     def reduce_grads(self) -> None:
         """Sum the copies' gradients, so every copy holds the whole model's gradient.
 
@@ -190,18 +247,50 @@ class PipelineTie:
         without a gradient counts as zero and is given the sum; a tied weight whose copies
         all lack a gradient (frozen, or unused this step) keeps ``None`` everywhere.
 
-        It may be called after each of several backward passes that accumulate into the
-        same gradients (after each schedule step, with or without the schedule's
-        ``scale_grads``), or twice: the sum is taken once. Before a backward adds into a
-        gradient this method wrote, a hook clears the gradient of every copy but the first
-        stage's, which alone carries the part already summed. FSDP2 adds into the sharded
-        gradient without that hook; there a hook that runs after the addition subtracts the
-        sum this method wrote, for which the tie keeps the sum of a sharded weight between
-        calls (one local shard of each tied weight).
+        It may be called after each of several schedule steps that accumulate into the same
+        gradients, or once after the last, or twice: each backward counts once. The first
+        copy's gradient carries the sum this method wrote, as the single weight would in one
+        process; the other copies hold it for clipping and the optimizer step, until a
+        backward on their rank is about to add into a copy, which clears them first, so that
+        each then gathers only its own backward passes. So what happens to the gradients in
+        between (clipping, unscaling, the optimizer step, ``zero_grad`` of any kind,
+        evaluation forwards) needs no telling.
+
+        Raises:
+            RuntimeError: On every rank, if a gradient was added into a copy holding the sum
+                without passing through the tensor its module or a TiedLinear read as the
+                weight (a weight read some other way under FSDP2), so that the sum could not
+                be cleared first. Nothing is changed; read the copy through its module or a
+                TiedLinear, zero the gradients and redo the step.
+        """
+        with torch.no_grad():
+            holders = {name: self._gradient_holders(name) for name in self.names}
+            sums, present, late = self._sums(holders)
+            if late:
+                self._late_backward = False
+                raise RuntimeError(
+                    "PipelineTie.reduce_grads() found a gradient added into a tied copy that "
+                    "still held the last sum, which could not be cleared first: the copy's "
+                    "weight was not read through its module or a TiedLinear, whose reads the tie "
+                    "hooks. Read it through them, then zero the gradients and redo this step"
+                )
+            self._summed.clear()
+            for name, total in sums.items():
+                if present[name]:  # else frozen, or unused this step: every copy keeps None
+                    self._give(name, holders[name], total)
+
+    def _sums(
+        self, holders: dict[str, list[nn.Parameter]]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, bool], bool]:
+        """The tied weights' sums over the group, in one ``all_reduce``.
+
+        Returns each weight's sum, whether any copy of it had a gradient, and whether any rank
+        found a late gradient (see reduce_grads).
         """
         sizes = [math.prod(self._layouts[name].local_shape) for name in self._shared]
-        flat = torch.zeros(sum(sizes) + len(self._shared), dtype=self._dtype, device=self._device)
-        *parts, counts = torch.split(flat, [*sizes, len(self._shared)])
+        extra = len(self._shared) + 1  # a count of copies with a gradient per weight; a flag
+        flat = torch.zeros(sum(sizes) + extra, dtype=self._dtype, device=self._device)
+        *parts, counts, late = torch.split(flat, [*sizes, len(self._shared), 1])
         sums: dict[str, torch.Tensor] = {}
         present: dict[str, bool] = {}
         for name in self.names:
@@ -210,59 +299,48 @@ class PipelineTie:
                 sums[name] = parts[self._shared.index(name)].view(layout.local_shape)
             else:
                 sums[name] = torch.zeros(layout.local_shape, dtype=self._dtype, device=self._device)
-            present[name] = self._local_sum(name, sums[name])
+            present[name] = any(p.grad is not None for p in holders[name])
+            for param in holders[name]:
+                # A copy still holding the sum written last adds nothing: the first holds it.
+                if param.grad is not None and not self._holds_sum(param):
+                    sums[name].add_(_local(param.grad))
         counts.copy_(counts.new_tensor([float(present[n]) for n in self._shared]))
+        late.fill_(float(self._late_backward))
         if self._shared:
             dist.all_reduce(flat, group=self.group)
         present.update(
             (name, count > 0) for name, count in zip(self._shared, counts.tolist(), strict=True)
         )
-        for name, total in sums.items():
-            if not present[name]:
-                continue  # frozen, or unused this step: every copy keeps None
-            for index, module in enumerate(self._copies[name]):
-                weight = _weight(module)
-                if weight.grad is None:
-                    weight.grad = _like(weight, total.to(_local(weight).dtype, copy=True))
-                else:
-                    _local(weight.grad).copy_(total)
-                # A sharded (FSDP2) copy keeps the sum, to take it out of a later addition.
-                kept = total if _is_dtensor(weight) else None
-                self._written[name, index] = _Mark(weight.grad, kept)
-                self._hook((name, index), weight)
+        return sums, present, late.item() > 0
 
-    def _hook(self, key: tuple[str, int], weight: nn.Parameter) -> None:
-        """Watch backward passes into ``weight``, once per Parameter object."""
-        hooked = self._hooked.get(key)
-        if (hooked is not None and hooked() is weight) or not weight.requires_grad:
+    def _give(self, name: str, params: list[nn.Parameter], total: torch.Tensor) -> None:
+        """Write ``total`` into the gradient of each of ``name``'s copies ``params``."""
+        for index, param in enumerate(params):
+            if param.grad is None:
+                param.grad = _like(param, total.to(_local(param).dtype, copy=True))
+            else:
+                _local(param.grad).copy_(total)
+            self._see(param)
+            if not self._is_primary((name, index)):
+                self._summed[id(param)] = (weakref.ref(param), weakref.ref(param.grad))
+                self._watch(param)
+
+    def _see(self, tensor: torch.Tensor) -> None:
+        """Clear the summed copies before autograd adds a gradient into ``tensor``, once."""
+        if self._hooked.get(id(tensor)) is tensor or not tensor.requires_grad:
             return
-        before = functools.partial(self._before_accumulation, key, weight)
-        after = functools.partial(self._after_accumulation, key)
-        weight.register_hook(before)  # type: ignore[no-untyped-call]
-        weight.register_post_accumulate_grad_hook(after)  # type: ignore[no-untyped-call]
-        self._hooked[key] = weakref.ref(weight)
+        hook = functools.partial(_before_accumulation, weakref.ref(self))
+        tensor.register_hook(hook)  # type: ignore[no-untyped-call]
+        self._hooked[id(tensor)] = tensor
 
-    def _before_accumulation(
-        self, key: tuple[str, int], weight: nn.Parameter, _incoming: torch.Tensor
-    ) -> None:
-        """Before autograd adds into the gradient this tie wrote: keep its sum on one copy."""
-        written = self._written.pop(key, None)
-        if written is None or not written.holds(weight.grad):
+    def _watch(self, param: nn.Parameter) -> None:
+        """Notice a gradient added into ``param`` while it holds the sum, once per Parameter."""
+        if self._watched.get(id(param)) is param or not param.requires_grad:
             return
-        if not self._is_primary(key):
-            with torch.no_grad():
-                weight.grad.zero_()  # type: ignore[union-attr] # held by written
-
-    def _after_accumulation(self, key: tuple[str, int], weight: torch.Tensor) -> None:
-        """After a gradient was added in without the hook above, as FSDP2 does.
-
-        Added onto the sum this tie wrote, not cleared since, it has that sum taken out
-        again: only the first copy keeps it.
-        """
-        written = self._written.pop(key, None)
-        if written is None or not written.unchanged(weight.grad) or self._is_primary(key):
-            return
-        _local(weight.grad).sub_(written.total)  # type: ignore[arg-type] # held by written
+        param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+            functools.partial(_after_accumulation, weakref.ref(self))
+        )
+        self._watched[id(param)] = param
 
     def duplicates(self) -> Iterator[nn.Parameter]:
         """The copies not counted in a norm over the pipeline: all but the first stage's."""
@@ -271,7 +349,6 @@ class PipelineTie:
                 if not self._is_primary((name, index)):
                     yield _weight(module)
 
-    @torch.no_grad()
     def check(self) -> None:
         """Verify that every copy equals the first stage's, or name the first difference.
 
@@ -282,22 +359,23 @@ class PipelineTie:
             RuntimeError: If a copy differs, naming the tied module, the group rank, the
                 copy, the first differing element and both values.
         """
-        found: str | None = None
-        for name in self.names:
-            weights = self._weights(name)
-            reference = self._source(name, weights[0].clone() if weights else None)
-            for index, copy in enumerate(weights):
-                if found is None:
-                    found = _first_difference(
-                        name,
-                        (self._rank, self._holders[name][0]),
-                        index,
-                        copy,
-                        reference,  # type: ignore[arg-type] # weights[0] or its broadcast
-                    )
-        for problem in _gather(found, self.group):
-            if problem is not None:
-                raise RuntimeError(problem)
+        with torch.no_grad():
+            found: str | None = None
+            for name in self.names:
+                weights = self._weights(name)
+                reference = self._source(name, weights[0].clone() if weights else None)
+                for index, copy in enumerate(weights):
+                    if found is None:
+                        found = _first_difference(
+                            name,
+                            (self._rank, self._holders[name][0]),
+                            index,
+                            copy,
+                            reference,  # type: ignore[arg-type] # weights[0] or its broadcast
+                        )
+            for problem in _gather(found, self.group):
+                if problem is not None:
+                    raise RuntimeError(problem)
 
     def __repr__(self) -> str:
         copies = ", ".join(f"{n}: {len(c)}" for n, c in self._copies.items())
@@ -330,7 +408,9 @@ def pipeline_clip_grad_norm_(
         norm_type: The p of the p-norm; ``inf`` for the largest absolute value, ``-inf``
             for the smallest, over every rank's gradients.
         error_if_nonfinite: Raise if the total norm is ``nan``, ``inf`` or ``-inf``.
+            Added in version v3.59.0.
         foreach: Use the foreach kernels (``None``: where the device supports them).
+            Added in version v3.59.0.
         group: The process group of one pipeline (every stage, in any order), or a 1-D
             DeviceMesh of it, such as ``mesh["pp"]``. It wins over ``tie``'s group.
         tie: This rank's PipelineTie. Without ``group``, its group is the pipeline's:
@@ -363,19 +443,24 @@ def pipeline_clip_grad_norm_(
     # DTensors without a gradient here too: their mesh's ranks agree on which have one.
     counted = by_mesh(p for p in params if id(p) not in skipped)
     has_grads = any(p.grad is not None for group in counted for p in group)
-    local = total_norm(counted, norm_type, foreach)
+    # An inf or -inf norm over a gradient without elements is refused, as torch refuses it,
+    # on every rank: a stage's data-parallel replicas hold the same parameters, and skip alike.
+    empty = has_empty(counted, norm_type)
+    local = torch.tensor(0.0) if empty else total_norm(counted, norm_type, foreach)
     # float64 on every rank, whatever each rank's gradients are: the ranks must agree on it.
     total = local.to(torch.float64)
     if dist.get_world_size(pipeline) == 1:
-        pass  # one rank holds the whole pipeline: its norm is the total
+        refuse_empty(empty, norm_type)  # one rank holds the whole pipeline: its norm is the total
     elif math.isinf(norm_type):
         # The largest (inf) or smallest (-inf) of the ranks' norms, which are never negative,
         # is the absolute value of the MAX of the norms signed as norm_type; a rank without
         # gradients takes no part, and no gradient anywhere gives 0, as in torch. gloo's MAX
         # may drop a nan: whether any rank's norm is nan rides beside it.
         signed = total.copysign(norm_type) if has_grads else total.new_tensor(-math.inf)
-        both = torch.stack([signed, total.isnan(), torch.tensor(float(has_grads))])
+        flags = torch.tensor([float(has_grads), float(empty)], dtype=torch.float64)
+        both = torch.cat([torch.stack([signed, total.isnan()]), flags])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pipeline)
+        refuse_empty(bool(both[3] > 0), norm_type)
         total = torch.where(both[2] > 0, both[0].abs(), 0.0)
         total = torch.where(both[1] > 0, math.nan, total)
     elif norm_type == 0:
@@ -406,6 +491,51 @@ def _pipeline_group(
             "when every rank is a stage of one pipeline), or the tie= built on that group"
         )
     return dist.group.WORLD  # type: ignore[return-value]
+
+
+def _before_read(
+    tie: weakref.ref[PipelineTie], position: int | None, module: nn.Module, args: tuple[Any, ...]
+) -> None:
+    """Hook the tensor that a forward reads as a copy's weight.
+
+    A forward pre-hook of a copy (``position`` None: its ``weight``) or of a TiedLinear's
+    product (the weight is its argument ``position``).
+    """
+    live = tie()
+    if live is not None and live._summed:
+        weight = module.weight if position is None else args[position]
+        live._see(weight)  # type: ignore[arg-type] # a copy's weight, checked at set-up
+
+
+def _after_unshard(
+    tie: weakref.ref[PipelineTie], copy: nn.Module, module: nn.Module, args: object
+) -> None:
+    """A forward pre-hook of the FSDP2 module holding ``copy``: hook the unsharded weight."""
+    live = tie()
+    if live is not None and live._summed:
+        live._see(_weight(copy))
+
+
+def _before_accumulation(tie: weakref.ref[PipelineTie], grad: torch.Tensor) -> None:
+    """A tensor hook, before autograd adds ``grad`` into a copy: the last sum is taken back."""
+    live = tie()
+    if live is not None and live._summed:
+        live._take_back()
+
+
+def _after_accumulation(tie: weakref.ref[PipelineTie], param: torch.Tensor) -> None:
+    """A post-accumulate-grad hook: a backward into a copy that still holds the last sum."""
+    live = tie()
+    if live is not None and live._summed_copy(param):
+        live._late_backward = True
+
+
+def _path(stage: nn.Module, name: str) -> list[nn.Module]:
+    """The modules from ``stage`` down to its submodule ``name``, both included."""
+    modules = [stage]
+    for part in name.split("."):
+        modules.append(modules[-1].get_submodule(part))
+    return modules
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -480,9 +610,15 @@ def _stages_key(stages: list[nn.Module]) -> list[tuple[list[str], list[str]]]:
 
 
 def _refuse_replicas(checks: list[Any]) -> None:
-    """Refuse two ranks that hold the same stages: data-parallel replicas of one stage."""
+    """Refuse two ranks that hold the same copies: data-parallel replicas of one stage.
+
+    Ranks without a copy add nothing to the sum, so stages alike there (middle stages that
+    number their layers alike) are no replicas that matter.
+    """
     seen: dict[str, int] = {}
-    for rank, (_, _, key) in enumerate(checks):
+    for rank, (_, held, key) in enumerate(checks):
+        if not held:
+            continue
         first = seen.setdefault(repr(key), rank)
         if first != rank:
             raise ValueError(
@@ -524,23 +660,6 @@ class _Layout(NamedTuple):
     shape: tuple[int, ...]
     local_shape: tuple[int, ...]
     dtype: torch.dtype
-
-
-class _Mark:
-    """A gradient tensor as it was when marked, without keeping it alive, and its sum."""
-
-    def __init__(self, grad: torch.Tensor, total: torch.Tensor | None = None) -> None:
-        self._ref = weakref.ref(grad)
-        self._version = grad._version
-        self.total = total  # the local sum written into ``grad``, where it is kept
-
-    def holds(self, grad: torch.Tensor | None) -> bool:
-        """Whether ``grad`` is the marked tensor, changed in place since or not."""
-        return grad is not None and self._ref() is grad
-
-    def unchanged(self, grad: torch.Tensor | None) -> bool:
-        """Whether ``grad`` is the marked tensor, and no in-place change bumped its version."""
-        return self.holds(grad) and grad._version == self._version  # type: ignore[union-attr]
 
 
 def _gather(obj: object, group: dist.ProcessGroup) -> list[Any]:
@@ -648,6 +767,6 @@ def _first_difference(
         f"the copies of the tied weight '{name}.weight' differ: copy {index} on group rank "
         f"{rank} has {copy[at].item()!r} at index {at}, where the first copy on group rank "
         f"{source} has {reference[at].item()!r} ({len(differs)} of {copy.numel()} elements "
-        "differ). Call PipelineTie.reduce_grads() after every backward and before the "
-        "optimizer step, and broadcast() after loading a state dict other than with DCP"
+        "differ). Call PipelineTie.reduce_grads() after the schedule's step and before "
+        "the optimizer step, and broadcast() after loading a state dict other than with DCP"
     )
