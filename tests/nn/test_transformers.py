@@ -441,7 +441,7 @@ REFUSED: dict[str, tuple[Callable[[LlamaForCausalLM], object], list[str]]] = {
     ),
     "adapted-embedding": (
         lambda m: setattr(m.model, "embed_tokens", Adapted(m.model.embed_tokens)),
-        ["Adapted that wraps the embedding", "tie_output_embeddings", ADAPTER_FIX],
+        [".Adapted, a module that wraps the embedding", "tie_output_embeddings", ADAPTER_FIX],
     ),
     "bias": (
         lambda m: setattr(m.lm_head, "bias", nn.Parameter(torch.zeros(VOCAB))),
@@ -509,14 +509,14 @@ def test_an_adapter_wrapping_the_embedding_after_the_tie_is_refused_on_every_cal
     embedding = model.model.embed_tokens
     model.model.embed_tokens = Adapted(embedding)
     ids = tokens()
-    with pytest.raises(RuntimeError, match=r"^LlamaModel's input embeddings are a Adapted") as info:
+    with pytest.raises(RuntimeError, match=r"^LlamaModel's input embeddings are a ") as info:
         model(ids)
     assert str(info.value) == (  # the one whole-message check of this error
-        "LlamaModel's input embeddings are a Adapted that wraps the embedding the tied head "
-        "reads (a PEFT adapter on the embedding, such as LoRA, trainable tokens or "
-        "modules_to_save), so the lookup and the head would not use the same weight; train "
-        "such an adapter on the stock model, without tie_output_embeddings, or leave the "
-        "embedding out of the adapter's modules"
+        f"LlamaModel's input embeddings are a {__name__}.Adapted, a module that wraps the "
+        "embedding the tied head reads (a PEFT adapter on the embedding, such as LoRA, "
+        "trainable tokens or modules_to_save), so the lookup and the head would not use the "
+        "same weight; train such an adapter on the stock model, without "
+        "tie_output_embeddings, or leave the embedding out of the adapter's modules"
     )
     hidden = torch.randn(2, 7, 16)
     with pytest.raises(RuntimeError, match=ADAPTER_FIX):

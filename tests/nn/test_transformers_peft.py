@@ -1,10 +1,11 @@
 """tie_output_embeddings under PEFT adapters, against the stock tied model.
 
 PEFT is a test dependency only: without it these tests are skipped. An adapter that leaves
-the embedding alone (LoRA on the attention) trains as on the stock model; one that wraps the
-embedding (trainable tokens, LoRA on it, ``modules_to_save``) would have the lookup and the
-tied head read different weights, and is refused whichever comes first, the tie or the
-adapter.
+the embedding alone (LoRA on the attention, LoRA on ``lm_head``, ``lm_head`` in
+``modules_to_save``) trains as on the stock model; one that wraps the embedding (trainable
+tokens, LoRA on it, ``modules_to_save``) would have the lookup and the tied head read
+different weights, and is refused whichever comes first, the tie or the adapter; so is
+``ensure_weight_tying`` on an adapter of ``lm_head``, which PEFT could not tie.
 """
 
 from __future__ import annotations
@@ -46,6 +47,20 @@ def adapted(model: LlamaForCausalLM, config: object) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT's advice on tied embeddings
         return peft.get_peft_model(model, config)
+
+
+def trained_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def generated(model: torch.nn.Module) -> torch.Tensor:
+    prompt = IDS[:1, :3]
+    return model.generate(  # type: ignore[no-any-return, operator]
+        input_ids=prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=6,
+        do_sample=False,
+    )
 
 
 def train(model: torch.nn.Module, steps: int = 3) -> tuple[list[float], torch.Tensor]:
@@ -120,3 +135,80 @@ def test_tying_a_model_whose_embedding_has_an_adapter_is_refused(name: str) -> N
     with pytest.raises(RuntimeError, match=FIX):
         tie_output_embeddings(model)
     assert model.lm_head is head
+
+
+ON_THE_HEAD: dict[str, Callable[[], object]] = {
+    "lora": lambda: peft.LoraConfig(
+        target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False
+    ),
+    "modules-to-save": lambda: peft.LoraConfig(
+        target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], init_lora_weights=False
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ON_THE_HEAD))
+def test_an_adapter_on_the_head_trains_as_on_the_stock_model(name: str) -> None:
+    """LoRA wraps the tied head as it wraps the stock one; ``modules_to_save`` trains a copy
+    of the head, untied from the embedding, as on the stock model."""
+    stock = llama()
+    model = copy.deepcopy(stock)
+    head = tie_output_embeddings(model)
+    stock_model, peft_model = (
+        adapted(stock, ON_THE_HEAD[name]()),
+        adapted(model, ON_THE_HEAD[name]()),
+    )
+    names = trained_names(peft_model)
+    assert names == trained_names(stock_model)
+    assert any("lm_head" in each for each in names)
+    stock_losses, stock_logits = train(stock_model)
+    losses, logits = train(peft_model)
+    assert losses == pytest.approx(stock_losses, rel=0, abs=1e-6)
+    torch.testing.assert_close(logits, stock_logits)
+    assert torch.equal(generated(peft_model), generated(stock_model))
+    assert model.get_input_embeddings().weight is head.weight  # the tie holds
+    torch.testing.assert_close(head.weight, stock.get_input_embeddings().weight)
+
+
+@pytest.mark.parametrize("name", list(ON_THE_HEAD))
+def test_tie_weights_keeps_an_adapter_on_the_head(name: str) -> None:
+    stock = llama()
+    model = copy.deepcopy(stock)
+    tie_output_embeddings(model)
+    stock_losses, stock_logits = train(adapted(stock, ON_THE_HEAD[name]()))
+    peft_model = adapted(model, ON_THE_HEAD[name]())
+    adapter = model.lm_head
+    model.tie_weights()
+    assert model.lm_head is adapter
+    losses, logits = train(peft_model)
+    assert losses == pytest.approx(stock_losses, rel=0, abs=1e-6)
+    torch.testing.assert_close(logits, stock_logits)
+
+
+@pytest.mark.parametrize("name", list(ON_THE_HEAD))
+def test_ensure_weight_tying_on_the_heads_adapter_is_refused_at_the_first_forward(
+    name: str,
+) -> None:
+    """On the stock model PEFT ties the head's adapter to one on the embedding; it cannot
+    see the tied head's tie, and would train the head's adapter alone."""
+    config = ON_THE_HEAD[name]()
+    config.ensure_weight_tying = True  # type: ignore[attr-defined]
+    model = llama()
+    tie_output_embeddings(model)
+    peft_model = adapted(model, config)
+    with pytest.raises(RuntimeError, match="'lm_head' holds a PEFT adapter") as info:
+        peft_model(input_ids=IDS, labels=IDS)
+    assert "ensure_weight_tying" in str(info.value)
+    # Without an adapter on the head, the flag changes nothing, and nothing is refused.
+    model = llama()
+    tie_output_embeddings(model)
+    quiet = peft.LoraConfig(target_modules=["q_proj"], ensure_weight_tying=True)
+    adapted(model, quiet)(input_ids=IDS, labels=IDS)
+
+
+def test_the_refusal_of_lora_on_the_embedding_names_peft_s_class() -> None:
+    model = llama()
+    tie_output_embeddings(model)
+    peft_model = adapted(model, ON_THE_EMBEDDING["lora"]())
+    with pytest.raises(RuntimeError, match=r"are a peft\.tuners\.lora\.layer\.Embedding, a module"):
+        peft_model(input_ids=IDS, labels=IDS)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
 
+from toolkit.nn._common import _Linear
 from toolkit.nn._tied_linear import TiedLinear
 
 __all__ = ["tie_output_embeddings"]
@@ -27,8 +29,10 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
     without the logits; ``load_state_dict`` takes a stock checkpoint's equal ``lm_head.weight``.
     As the stock model does, ``tie_weights()`` ties a head set by ``set_output_embeddings()``:
     it becomes a TiedLinear on the input embeddings (one with a bias, which a TiedLinear cannot
-    hold, raises ``ValueError``). The parallel plans (tensor, expert,
-    pipeline, FSDP) drop the head, which is no module now, and the FSDP plan keeps the
+    hold, raises ``ValueError``). The head stays a module of the model, an ``nn.Linear`` that
+    owns no parameter, so PEFT's LoRA and ``modules_to_save`` on ``lm_head`` and accelerate's
+    FSDP2 find it as on the stock model. The parallel plans (tensor, expert,
+    pipeline, FSDP) drop the head, which owns no weight now, and the FSDP plan keeps the
     embedding unsharded where it kept the head. Call it after ``from_pretrained`` returns. See
     the [Hugging Face transformers guide][hugging-face-transformers].
 
@@ -47,7 +51,7 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
         RuntimeError: If the input embeddings wrap the embedding that holds the weight (a
             PEFT adapter), whose lookup the head would not follow; so does a later call.
 
-    Added in version v3.58.0.
+    Added in version v3.59.0.
 
     Examples:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -115,29 +119,67 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
     _drop_from_plans(model, path, source)
     hf.tie_weights, hf.init_parallel_plans = tie_weights, init_plans
     load_head = functools.partial(_load_head_key, f"{path}.weight", f"{source}.weight")
+    # The decoder that holds the embedding runs in every forward, also where an adapter
+    # library calls the model's forward method without its hooks.
+    owner = model.get_submodule(source.rpartition(".")[0])
+    owner.register_forward_pre_hook(functools.partial(_check_tying_adapters, model, path))
     model.register_load_state_dict_pre_hook(load_head)  # type: ignore[no-untyped-call]
     return head
 
 
-class _ModelHead(TiedLinear):
-    """The TiedLinear a model's head becomes, which checks the model's lookup on every call.
+class _ModelHead(nn.Linear, TiedLinear):
+    """The TiedLinear a model's head becomes: a module of the model, owning no parameter.
+
+    It stays where the stock model's head is, so that what finds the head by name (``print``,
+    ``named_modules()``, hooks, PEFT's targets, accelerate's FSDP2 units) finds it, and it is an
+    ``nn.Linear`` whose ``weight`` is ``tied_module.weight``, read live, as the stock head's is
+    the embedding's, so that a PEFT LoRA layer wraps it as it wraps the stock head. The state
+    dict holds the weight once, under the embedding. ``tied_module`` and ``linear`` are kept
+    off the module tree, which registers the embedding once, where the model has it.
 
     The model must still look tokens up in ``tied_module``, not in a wrapper of it (a PEFT
-    adapter, say), whose lookup would use a weight the head does not read.
+    adapter, say), whose lookup would use a weight the head does not read: every call checks.
     """
 
-    def __init__(self, tied_module: nn.Module, owner: nn.Module, name: str) -> None:
-        super().__init__(tied_module)
-        self._owner = owner  # the module that holds the embedding as ``name``
-        self._name = name
+    _owner: nn.Module  # the module that holds the embedding as ``_name``
+    _name: str
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, tied_module: nn.Module, owner: nn.Module, name: str) -> None:
+        nn.Module.__init__(self)  # nn.Linear's would make a weight of its own
+        self.register_parameter("bias", None)  # as on the stock, bias-free head
+        # In __dict__, not _modules: attributes of the head, not modules of the model.
+        vars(self).update(tied_module=tied_module, linear=_Linear(), _owner=owner, _name=name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_lookup()
-        return super().__call__(x)
+        return TiedLinear.__call__(self, x)
 
     def cross_entropy(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # noqa: ANN401 - passed on
         self._check_lookup()
         return super().cross_entropy(*args, **kwargs)
+
+    def requires_grad_(self, requires_grad: bool = True) -> Self:
+        """Set ``requires_grad`` of the tied weight, as the stock head's shared weight."""
+        TiedLinear.requires_grad_(self, requires_grad)
+        return self
+
+    def __repr__(self) -> str:
+        return TiedLinear.__repr__(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        """A copy tied to the copy of the embedding, or alone, a Linear with a copy of the weight.
+
+        Within a copy of the model (a memo that holds what was copied before), the copy reads
+        the copied embedding. A copy of the head alone (PEFT's ``modules_to_save``) is what
+        the stock head's copy is: an ``nn.Linear`` that owns a copy of the weight, untied.
+        """
+        if memo:
+            owner = copy.deepcopy(self._owner, memo)
+            return _ModelHead(copy.deepcopy(self.tied_module, memo), owner, self._name)
+        alone = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        alone.weight = copy.deepcopy(self.weight, memo)
+        alone.train(self.training)
+        return alone
 
     def _check_lookup(self) -> None:
         current = self._owner._modules.get(self._name)
@@ -169,12 +211,38 @@ def _wraps_an_embedding(embedding: nn.Module) -> bool:
 
 
 def _adapted_embedding_error(kind: str, embedding: nn.Module) -> RuntimeError:
+    cls = type(embedding)
     return RuntimeError(
-        f"{kind}'s input embeddings are a {type(embedding).__name__} that wraps the embedding "
-        "the tied head reads (a PEFT adapter on the embedding, such as LoRA, trainable tokens "
-        "or modules_to_save), so the lookup and the head would not use the same weight; "
+        f"{kind}'s input embeddings are a {cls.__module__}.{cls.__qualname__}, a module that "
+        "wraps the embedding the tied head reads (a PEFT adapter on the embedding, such as "
+        "LoRA, trainable tokens or modules_to_save), so the lookup and the head would not use "
+        "the same weight; "
         "train such an adapter on the stock model, without tie_output_embeddings, or leave "
         "the embedding out of the adapter's modules"
+    )
+
+
+def _check_tying_adapters(model: nn.Module, path: str, *args: object) -> None:
+    """Refuse an adapter on the head that PEFT's ``ensure_weight_tying`` would tie.
+
+    PEFT finds the modules tied to the embedding in ``_tied_weights_keys``, which no longer
+    name the head, so with ``ensure_weight_tying`` it would adapt the head alone, untied from
+    the embedding's adapter that the stock model ties it to.
+    """
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not any(
+        getattr(config, "ensure_weight_tying", False) for config in configs.values()
+    ):
+        return
+    if isinstance(model.get_submodule(path), _ModelHead):
+        return  # no adapter on the head
+    raise RuntimeError(
+        f"{type(model).__name__}'s head {path!r} holds a PEFT adapter, and the adapter's "
+        "config has ensure_weight_tying=True, which on the stock model ties it to an adapter "
+        "on the input embeddings; the head tie_output_embeddings made is not in the model's "
+        "tied weights keys, so PEFT adapted the head alone, untied. Leave ensure_weight_tying "
+        f"off (the adapter on {path!r} then trains untied, as on the stock model), or train "
+        "the adapter on the stock model, without tie_output_embeddings"
     )
 
 
@@ -237,6 +305,11 @@ def _tie_weights(
     wrapped = _wraps_an_embedding(embedding)
     if isinstance(head, TiedLinear) and (head.tied_module is embedding or wrapped):
         return  # tied, or on a wrapper (a PEFT adapter) that the head refuses on its next call
+    if isinstance(head, nn.Module) and any(
+        isinstance(module, _ModelHead) and module.tied_module is embedding
+        for module in head.modules()
+    ):
+        return  # an adapter (PEFT's) on the tied head, which the stock model keeps as well
     kind = type(model).__name__
     if wrapped:
         raise _adapted_embedding_error(kind, embedding)
@@ -253,7 +326,7 @@ def _tie_weights(
 def _init_parallel_plans(
     model: nn.Module, path: str, source: str, init_parallel_plans: Callable[[], object]
 ) -> None:
-    """Build the plans as transformers does, then drop the head, which is no module now."""
+    """Build the plans as transformers does, then drop the head, which owns no weight now."""
     init_parallel_plans()
     _drop_from_plans(model, path, source)
 
