@@ -207,13 +207,13 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, default=False)
 def transformers_mixin(session: nox.Session) -> None:
-    """Run transformers' own model tests and PEFT on tied models; not a default session.
+    """Run transformers' own model tests on tied models; not a default session.
 
     Downloads the sdist of the pinned transformers into the session's temporary folder
     (nothing of it is kept) and runs its ``ModelTesterMixin`` on Llama, GPT-2, Qwen2 and
     Gemma 2, stock tied against ``tie_output_embeddings`` (``tests/transformers_mixin``), and
-    the PEFT tests (``tests/nn/test_transformers_peft.py``). Its own venv holds PEFT. The
-    mixin's 1,288 tests take about 10 minutes on two busy cores.
+    the PEFT and accelerate tests, which ``nox -s tests`` runs too. The mixin's 1,288 tests
+    take about 10 minutes on two busy cores.
     """
     install(session, "nn", groups=("transformers-mixin",))
     tmp = Path(session.create_tmp())
@@ -224,7 +224,12 @@ def transformers_mixin(session: nox.Session) -> None:
     with tarfile.open(archive) as tar:
         tar.extractall(tmp, filter="data")
     tests = tmp / archive.name.removesuffix(".tar.gz") / "tests"
-    session.run("pytest", "tests/nn/test_transformers_peft.py", *session.posargs)
+    session.run(
+        "pytest",
+        "tests/nn/test_transformers_peft.py",
+        "tests/nn/test_transformers_accelerate.py",
+        *session.posargs,
+    )
     env = {"TRANSFORMERS_SDIST_TESTS": str(tests)}
     session.run("pytest", "tests/transformers_mixin", *session.posargs, env=env)
 
@@ -256,14 +261,17 @@ def example(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Build the site with ``--strict`` and run every example of the docs and docstrings.
 
-    ``nox -s docs -- serve`` serves the site at http://127.0.0.1:8000 instead, rebuilding on
-    every change to ``docs/`` or to a package's sources.
+    ``nox -s docs -- build`` only builds the site, into ``site/`` (seconds; the examples take
+    minutes). ``nox -s docs -- serve`` serves it at http://127.0.0.1:8000 instead, rebuilding
+    on every change to ``docs/`` or to a package's sources. Other arguments go to pytest.
     """
     env = {"NO_MKDOCS_2_WARNING": "1"}
     if session.posargs == ["serve"]:
         run_in_torch_venv(session, "mkdocs", "serve", "--strict", **env)
         return
     run_in_torch_venv(session, "mkdocs", "build", "--strict", **env)
+    if session.posargs == ["build"]:
+        return
     run_in_torch_venv(session, "pytest", "tests/docs", *session.posargs, **env)
 
 

@@ -642,7 +642,7 @@ def write_ledger(path: Path, ledger: Ledger, score: str) -> None:
         return f"[\n{''.join(items)}]" if items else "[]"
 
     lines = [
-        "# Written by `nox -s mutation -- --record` after a run that passed (README.md,",
+        "# Written by `nox -s mutation -- --record` after a run that passed (CONTRIBUTING.md,",
         '# "Mutation testing"). `--incremental` reuses an outcome only where its function, the',
         "# test files that cover it and the settings hash as recorded here. A mutant's key is a",
         "# digest of its function, original line and mutated line (scripts/mutation.py).",

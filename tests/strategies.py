@@ -8,7 +8,7 @@ The draws are weighted towards real arithmetic. ``meta`` has no data, so it is o
 twelve, and the devices with data share the rest; a zero-size dimension (an empty input or
 weight) is one case in twelve; every other dimension is at least 1. Each draw records Hypothesis
 events (the device, the dtype, the number of input dimensions, and whether the tensors hold
-data), so ``pytest --hypothesis-show-statistics`` shows the mix (the README has the table).
+data), so ``pytest --hypothesis-show-statistics`` shows the mix (CONTRIBUTING.md has the table).
 """
 
 from __future__ import annotations

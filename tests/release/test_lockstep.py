@@ -7,6 +7,7 @@ temporary folder, skews one thing, and checks that the problem is reported, by f
 from __future__ import annotations
 
 import datetime
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "lockstep.py"
 DATE = datetime.date(2027, 1, 15)
 MDD = "packages/toolkit-nn/src/toolkit/nn/_module_default_dict.py"
+TIED = "packages/toolkit-nn/src/toolkit/nn/_tied_linear.py"
 REPO = "https://github.com/toolkit-dev/toolkit"
 
 
@@ -78,7 +80,7 @@ def test_the_repository_is_in_lockstep() -> None:
 
 def test_the_copy_is_in_lockstep_and_names_versions(repo: Path) -> None:
     assert lockstep.check(repo) == []
-    assert (MDD, release(repo)) in {(path, version) for path, _, version in lockstep.added_in(repo)}
+    assert (MDD, release(repo)) in {(found.path, found.text) for found in lockstep.added_in(repo)}
 
 
 def test_a_package_at_another_version_is_reported(repo: Path) -> None:
@@ -135,10 +137,12 @@ def test_added_in_a_version_newer_than_the_release_is_reported(repo: Path, where
 
 
 def test_added_in_a_version_missing_from_the_changelog_is_reported(repo: Path) -> None:
+    # Outside a docstring (a guide), where no name says which section to read.
     old = earlier(release(repo))
-    edit(repo / MDD, f"Added in version v{release(repo)}.", f"Added in version v{old}.")
+    with (repo / "docs" / "quickstart.md").open("a") as file:
+        file.write(f"\nAdded in version v{old}.\n")
     (problem,) = lockstep.check(repo)
-    assert problem.startswith(f"{MDD}:")
+    assert problem.startswith("docs/quickstart.md:")
     assert f"'Added in version v{old}' names a version with no CHANGELOG.md heading" in problem
 
 
@@ -306,3 +310,192 @@ def test_the_command_line_exits_1_on_skew_and_0_in_lockstep(repo: Path) -> None:
     bumped = run("bump", later(old), "--date", "2027-01-15")
     assert bumped.returncode == 0, bumped.stderr
     assert run("check").returncode == 0
+
+
+# "Added in" against the CHANGELOG.md section that first lists the name.
+
+
+def added(root: Path, name: str, argument: str | None = None) -> lockstep.AddedIn:
+    """The one "Added in" of ``name`` (or of its ``argument``) in the sources of ``root``."""
+    (found,) = (f for f in lockstep.added_in(root) if (f.name, f.argument) == (name, argument))
+    return found
+
+
+def say(root: Path, found: lockstep.AddedIn, version: str) -> None:
+    """Make the line of ``found`` say ``Added in version v{version}``."""
+    path = root / found.path
+    lines = path.read_text().splitlines(keepends=True)
+    old = f"Added in version v{found.text}"
+    assert old in lines[found.line - 1]
+    lines[found.line - 1] = lines[found.line - 1].replace(old, f"Added in version v{version}")
+    path.write_text("".join(lines))
+
+
+def test_the_next_release_is_the_minor_bump() -> None:
+    assert lockstep.next_release("3.58.0") == "3.59.0"
+    assert lockstep.next_release("3.58.2") == "3.59.0"
+    assert lockstep.next_release("4.0.0") == "4.1.0"
+
+
+def test_names_the_changelog_lists_as_unreleased_say_the_next_release(repo: Path) -> None:
+    upcoming = lockstep.next_release(release(repo))
+    for name in ("clip_grad_norm_", "tie_output_embeddings", "TiedLinear.requires_grad_"):
+        assert added(repo, name).text == upcoming, name
+    for argument in ("reduction", "z_loss", "softcap"):
+        assert added(repo, "TiedLinear.cross_entropy", argument).text == upcoming, argument
+    for name in ("ModuleDefaultDict", "TiedLinear", "TiedLinearParallel", "PipelineTie"):
+        assert added(repo, name).text == release(repo), name
+
+
+@pytest.mark.parametrize("name", ["clip_grad_norm_", "tie_output_embeddings"])
+@pytest.mark.parametrize("written", ["release", "older", "later"])
+def test_an_unreleased_name_that_says_another_version_is_reported(
+    repo: Path, name: str, written: str
+) -> None:
+    upcoming = lockstep.next_release(release(repo))
+    version = {"release": release(repo), "older": "3.1.0", "later": later(upcoming)}[written]
+    found = added(repo, name)
+    say(repo, found, version)
+    assert lockstep.check(repo) == [
+        f"{found.path}:{found.line}: `{name}` says 'Added in version v{version}' but "
+        f"CHANGELOG.md first lists it under [Unreleased]; write 'Added in version v{upcoming}' "
+        "(the next release)"
+    ]
+
+
+@pytest.mark.parametrize("written", ["next", "older"])
+def test_a_released_name_that_says_another_version_is_reported(repo: Path, written: str) -> None:
+    add_old_release(repo, "3.1.0")  # an older release that exists, so only the name is wrong
+    version = {"next": lockstep.next_release(release(repo)), "older": "3.1.0"}[written]
+    found = added(repo, "ModuleDefaultDict")
+    say(repo, found, version)
+    assert lockstep.check(repo) == [
+        f"{MDD}:{found.line}: `ModuleDefaultDict` says 'Added in version v{version}' but "
+        f"CHANGELOG.md first lists it under [{release(repo)}]; write 'Added in version "
+        f"v{release(repo)}'"
+    ]
+
+
+def test_an_argument_is_checked_against_the_bullet_that_names_it(repo: Path) -> None:
+    found = added(repo, "TiedLinear.cross_entropy", "z_loss")
+    say(repo, found, release(repo))
+    upcoming = lockstep.next_release(release(repo))
+    assert lockstep.check(repo) == [
+        f"{TIED}:{found.line}: the argument `z_loss` of `TiedLinear.cross_entropy` says "
+        f"'Added in version v{release(repo)}' but CHANGELOG.md first lists it under "
+        f"[Unreleased]; write 'Added in version v{upcoming}' (the next release)"
+    ]
+
+
+def test_a_name_moved_into_a_released_section_must_say_that_release(repo: Path) -> None:
+    # The changelog decides: list clip_grad_norm_ under the release, and its docstring, which
+    # says the next release, is wrong.
+    edit(repo / "CHANGELOG.md", "### Removed\n", "### Removed\n\n- `toolkit.nn.clip_grad_norm_`\n")
+    found = added(repo, "clip_grad_norm_")
+    problems = lockstep.check(repo)
+    assert problems == [
+        f"{found.path}:{found.line}: `clip_grad_norm_` says 'Added in version "
+        f"v{found.text}' but CHANGELOG.md first lists it under [{release(repo)}]; write "
+        f"'Added in version v{release(repo)}'"
+    ]
+
+
+def test_a_docstring_whose_name_no_bullet_names_is_reported(repo: Path) -> None:
+    upcoming = lockstep.next_release(release(repo))
+    with (repo / MDD).open("a") as file:
+        file.write(
+            f'\n\ndef brand_new() -> None:\n    """New.\n\n    Added in version v{upcoming}.\n'
+        )
+        file.write('    """\n')
+    line = len((repo / MDD).read_text().splitlines()) - 1
+    assert lockstep.check(repo) == [
+        f"{MDD}:{line}: 'Added in version v{upcoming}' for `brand_new`, which no CHANGELOG.md "
+        "bullet names; name `brand_new` in backticks in the bullet that adds it"
+    ]
+    edit(
+        repo / "CHANGELOG.md",
+        "### Added\n\n",
+        "### Added\n\n- `toolkit.nn.brand_new()`: new.\n",
+    )
+    assert lockstep.check(repo) == []
+
+
+def test_an_argument_that_no_bullet_names_with_its_function_is_reported(repo: Path) -> None:
+    changelog = repo / "CHANGELOG.md"  # every bullet that names the argument stops naming it
+    text = changelog.read_text(encoding="utf-8")
+    changelog.write_text(re.sub(r"`z_loss(=c)?`", "a z-loss", text), encoding="utf-8")
+    found = added(repo, "TiedLinear.cross_entropy", "z_loss")
+    (problem,) = lockstep.check(repo)
+    assert problem == (
+        f"{TIED}:{found.line}: 'Added in version v{found.text}' for the argument `z_loss` of "
+        "`TiedLinear.cross_entropy`, which no CHANGELOG.md bullet names; name "
+        "`TiedLinear.cross_entropy` and `z_loss` in backticks in the bullet that adds it"
+    )
+
+
+def test_a_guide_may_name_the_next_release(repo: Path) -> None:
+    with (repo / "docs" / "quickstart.md").open("a") as file:
+        file.write(f"\nAdded in version v{lockstep.next_release(release(repo))}.\n")
+    assert lockstep.check(repo) == []
+
+
+def test_docstring_owners_name_the_object_and_the_argument() -> None:
+    source = '''
+class A:
+    """A.
+
+    Added in version v1.0.0.
+    """
+
+    def f(self, x: int, y: int = 0) -> int:
+        """F.
+
+        Args:
+            x: The x. Added in version v1.1.0.
+            y (int): The y,
+                wrapped. Added in version v1.2.0.
+
+        Returns:
+            Not y. Added in version v1.3.0.
+        """
+        def inner() -> None:
+            """Added in version v1.4.0."""
+        return x
+'''
+    owners = lockstep.docstring_owners(source)
+    lines = source.splitlines()
+    found = {
+        lines[number - 1].split("v")[-1].rstrip('."'): owner
+        for number, owner in owners.items()
+        if "Added in" in lines[number - 1]
+    }
+    assert found == {
+        "1.0.0": ("A", None),
+        "1.1.0": ("A.f", "x"),
+        "1.2.0": ("A.f", "y"),
+        "1.3.0": ("A.f", None),
+        "1.4.0": ("A.f.inner", None),
+    }
+
+
+def test_changelog_bullets_name_code_spans_without_the_package_or_the_call() -> None:
+    assert lockstep.named("`toolkit.nn.tie_output_embeddings(model)` and `X.y_()` `z=c`") == {
+        "tie_output_embeddings",
+        "X.y_",
+        "z=c",
+    }
+
+
+@pytest.mark.parametrize("part", [0, 1, 2])
+def test_bump_writes_the_new_release_into_the_unreleased_lines_only(repo: Path, part: int) -> None:
+    old, new = release(repo), later(release(repo), part=part)
+    upcoming = lockstep.next_release(old)
+    unreleased = {(f.path, f.line) for f in lockstep.added_in(repo) if f.text == upcoming}
+    assert unreleased
+
+    lockstep.bump(repo, new, DATE)
+
+    assert lockstep.check(repo) == []
+    for found in lockstep.added_in(repo):
+        expected = new if (found.path, found.line) in unreleased else old
+        assert found.text == expected, found

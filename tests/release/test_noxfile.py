@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -133,3 +133,29 @@ def test_ci_runs_nox_the_torchtitan_session_then_the_incremental_mutation_run() 
     )
     assert '-c constraints.txt "nox' in script
     assert os.access(ROOT / ".ci" / "run", os.X_OK)
+
+
+@pytest.mark.parametrize(
+    ("posargs", "programs"),
+    [
+        (["build"], [("mkdocs", "build")]),
+        (["serve"], [("mkdocs", "serve")]),
+        ([], [("mkdocs", "build"), ("pytest", "tests/docs")]),
+        (["-k", "api"], [("mkdocs", "build"), ("pytest", "tests/docs")]),
+    ],
+)
+def test_the_docs_session_only_builds_the_site_when_asked(
+    noxfile: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    posargs: list[str],
+    programs: list[tuple[str, str]],
+) -> None:
+    """`nox -s docs -- build` builds the site and runs no example; without it, both."""
+    ran: list[tuple[str, str]] = []
+
+    def run(session: object, program: str, *args: str, **env: str) -> None:
+        ran.append((program, args[0]))
+
+    monkeypatch.setattr(noxfile, "run_in_torch_venv", run)
+    noxfile.docs(SimpleNamespace(posargs=posargs))
+    assert ran == programs

@@ -153,6 +153,8 @@ class TiedLinear:
         Returns:
             ``self``.
 
+        Added in version v3.59.0.
+
         Examples:
             >>> from torch import nn
             >>> from toolkit.nn import TiedLinear
@@ -197,10 +199,12 @@ class TiedLinear:
             target: Class indices of an integer dtype, with ``x``'s leading shape.
             ignore_index: Target value that is not counted, as in ``F.cross_entropy``.
             reduction: ``"mean"`` over the counted tokens, ``"sum"``, or ``"none"`` (per
-                token, 0 where ignored).
+                token, 0 where ignored). ``"none"``: Added in version v3.59.0.
             label_smoothing: As in ``F.cross_entropy``.
             z_loss: Adds ``z_loss * logsumexp(logits) ** 2`` per counted token (PaLM).
+                Added in version v3.59.0.
             softcap: Logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
+                Added in version v3.59.0.
             chunk_size: Tokens per chunk, or None to bound each chunk's logits to
                 64 MiB (at least 16 tokens); smaller chunks use less memory.
 
