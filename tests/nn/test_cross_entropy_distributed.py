@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
 from tests.nn.ranks import process_group, run_processes
-from tests.nn.test_cross_entropy_ranks import DIFFERENCES, NAMES, call_with_one_difference
+from tests.nn.sharded_loss_cases import DIFFERENCES, NAMES, call_with_one_difference
 from toolkit.nn import TiedLinear
 
 # 33,555 rows on 2 ranks: 16,778 and 16,777, whose own default chunks (64 MiB of float32
