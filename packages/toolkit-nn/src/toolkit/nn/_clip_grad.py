@@ -30,23 +30,10 @@ def clip_grad_norm_(
 
     The same arguments, result and in-place scaling as torch's, for plain tensors and
     DTensors on any meshes (FSDP2 on ``dp``, FSDP2 with TP on ``(dp, tp)``) in one call,
-    which torch's cannot combine (pytorch#180346). Every rank of a mesh must pass the same
-    parameters, as for torch's. The ranks combine the norms of their local shards (a
-    replicated shard counted once, empty ones left out) in at least float32.
-
-    A plain tensor whose gradient is a plain tensor is this rank's own, as in torch: its
-    gradient enters this rank's total as it is, is not communicated, and is scaled by this
-    rank's total. So the total is the same on every rank only when the plain gradients are
-    (as after DDP's all-reduce). A plain tensor whose gradient is a DTensor counts as that
-    DTensor, over the gradient's mesh.
-
-    In a process group of more than one rank, every rank of the default process group
-    calls it, even a rank that holds no DTensor: before any norm, the ranks agree in one
-    all-reduce over the default group (``2 * world_size + 2`` int32, on the device of the
-    group's object collectives) on which ranks hold DTensors on which meshes, so that a
-    rank which a mesh's ranks would wait for is refused on every rank instead of hanging
-    them. A call on only some of the default group's ranks (plain tensors on rank 0 only)
-    therefore waits for the others, unlike torch's.
+    which torch's cannot combine (pytorch#180346). A plain tensor's plain gradient is this
+    rank's own, as in torch's. Every rank of the default process group calls it: the ranks
+    first agree, in one all-reduce, on what they hold. The [sharded training
+    guide][clipping-the-gradients] says what each kind of gradient counts for.
 
     Args:
         parameters: A tensor or an iterable of tensors whose gradients are clipped.
@@ -57,23 +44,17 @@ def clip_grad_norm_(
         foreach: Use the foreach kernels (``None``: where the device supports them).
 
     Returns:
-        The total norm before clipping, a plain tensor of the gradients' promoted dtype: the
-        whole model's, the same on every rank when the plain tensors' gradients are (as
-        after DDP). A DTensor without a gradient on any rank takes no part.
+        The total norm before clipping, a plain tensor of the gradients' promoted dtype.
 
     Raises:
-        ValueError: On every rank, before any gradient changes: if a DTensor has a gradient
-            on some ranks of its mesh and None on others (give it one on every rank, zeros,
-            or on none); if the ranks of a mesh pass different numbers of its DTensors, or a
-            rank passes none of a mesh it belongs to (pass ``model.parameters()`` on every
-            rank); or if a plain tensor's gradient is a DTensor on some ranks and a plain
-            tensor or None on others of that DTensor's mesh (give it one kind everywhere).
+        ValueError: On every rank, before any gradient changes, if the ranks of a mesh
+            disagree: a DTensor with a gradient on some ranks only, different numbers of a
+            mesh's DTensors (a rank passing none included), or a plain tensor's gradient a
+            DTensor on some ranks only. The message names the parameter or the ranks.
         RuntimeError: On every rank, before any gradient changes, if ``norm_type`` is
-            ``inf`` or ``-inf`` and a gradient has no elements (a DTensor whose whole
-            tensor is empty, not only its shard here), which has no largest or smallest
-            value: torch's refuses it too. If ``error_if_nonfinite`` is set and the total
-            norm is not finite, or ``foreach=True`` and a gradient's device has no foreach
-            kernels, as torch's; after the non-finite refusal no gradient has changed.
+            ``inf`` or ``-inf`` and a gradient has no elements, as torch's; if
+            ``error_if_nonfinite`` is set and the norm is not finite; if ``foreach=True``
+            where there are no foreach kernels.
 
     Added in version v3.59.0.
 

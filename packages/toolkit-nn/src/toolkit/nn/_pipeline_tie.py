@@ -405,28 +405,26 @@ def pipeline_clip_grad_norm_(
     Args:
         parameters: This rank's parameters (of every stage it holds), tensor or iterable.
         max_norm: The largest total norm allowed.
-        norm_type: The p of the p-norm; ``inf`` for the largest absolute value, ``-inf``
-            for the smallest, over every rank's gradients.
+        norm_type: The p of the p-norm; ``inf``/``-inf`` for the largest/smallest value.
         error_if_nonfinite: Raise if the total norm is ``nan``, ``inf`` or ``-inf``.
             Added in version v3.59.0.
         foreach: Use the foreach kernels (``None``: where the device supports them).
             Added in version v3.59.0.
         group: The process group of one pipeline (every stage, in any order), or a 1-D
             DeviceMesh of it, such as ``mesh["pp"]``. It wins over ``tie``'s group.
-        tie: This rank's PipelineTie. Without ``group``, its group is the pipeline's:
-            build the tie with the whole pipeline's group, or pass ``group``.
+        tie: This rank's PipelineTie, whose group is the pipeline's without ``group``.
 
     Returns:
-        The total norm of the gradients, before clipping, the same on every rank: in
-        float64 on a rank whose gradients' norm is float64, in float32 on the others (those
-        without gradients included).
+        The total norm before clipping, the same on every rank: float64 where the rank's
+        gradients' norm is, else float32.
 
     Raises:
         ValueError: If neither ``group`` nor ``tie`` is given and the default process group
-            has more than one rank, which is the pipeline only without other parallelism;
-            or, as ``clip_grad_norm_``, for a DTensor with a gradient on some ranks only.
-        RuntimeError: If ``error_if_nonfinite`` is set and the total norm is not finite, on
-            every rank of the pipeline; no gradient is changed.
+            has more than one rank; or, as ``clip_grad_norm_``, for a DTensor with a
+            gradient on some ranks only.
+        RuntimeError: On every rank of the pipeline, with no gradient changed: if
+            ``error_if_nonfinite`` is set and the norm is not finite, or an ``inf`` or
+            ``-inf`` norm meets a gradient without elements, as torch's.
 
     Added in version v3.58.0.
 

@@ -21,20 +21,13 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
     """Make a transformers model's output embeddings a TiedLinear on its input embeddings.
 
     The LM head that ``model.get_output_embeddings()`` returns is replaced, under the same
-    attribute, by ``TiedLinear(model.get_input_embeddings())``, and the model's
-    ``_tied_weights_keys`` stop naming the head's weight, which now has one owner. Afterwards
-    ``post_init()``, ``tie_weights()``, the forward, ``generate()``, ``save_pretrained()`` (one
-    copy of the weight, which a stock model loads), ``resize_token_embeddings()``, meta-device
-    init and FSDP2 work as on the stock tied model, and ``head.cross_entropy`` takes the loss
-    without the logits; ``load_state_dict`` takes a stock checkpoint's equal ``lm_head.weight``.
-    As the stock model does, ``tie_weights()`` ties a head set by ``set_output_embeddings()``:
-    it becomes a TiedLinear on the input embeddings (one with a bias, which a TiedLinear cannot
-    hold, raises ``ValueError``). The head stays a module of the model, an ``nn.Linear`` that
-    owns no parameter, so PEFT's LoRA and ``modules_to_save`` on ``lm_head`` and accelerate's
-    FSDP2 find it as on the stock model. The parallel plans (tensor, expert,
-    pipeline, FSDP) drop the head, which owns no weight now, and the FSDP plan keeps the
-    embedding unsharded where it kept the head. Call it after ``from_pretrained`` returns. See
-    the [Hugging Face transformers guide][hugging-face-transformers].
+    attribute, by a TiedLinear on ``model.get_input_embeddings()``: an ``nn.Linear`` that owns
+    no parameter, so the state dict holds the weight once, and what finds the head by name
+    (PEFT, accelerate's FSDP2, hooks) finds it. ``post_init()``, ``tie_weights()`` (which ties
+    a head set by ``set_output_embeddings()``), the forward, ``generate()``,
+    ``save_pretrained()``, ``resize_token_embeddings()`` and FSDP2 work as on the stock tied
+    model; the parallel plans drop the head. Call it after ``from_pretrained`` returns. The
+    [Hugging Face transformers guide][hugging-face-transformers] shows each.
 
     Args:
         model: A transformers ``PreTrainedModel`` whose config ties the word embeddings.
