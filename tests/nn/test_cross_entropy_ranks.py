@@ -351,6 +351,43 @@ def test_an_option_that_differs_on_a_vocabulary_shard_is_refused_on_every_rank(c
         )
 
 
+# An argument one rank's own check refuses: its keyword arguments, or a change of x or target.
+REFUSED: dict[str, tuple[type[Exception], Any]] = {
+    "label_smoothing-nan": (ValueError, {"label_smoothing": float("nan")}),
+    "softcap-nan": (ValueError, {"softcap": float("nan")}),
+    "chunk_size-0": (ValueError, {"chunk_size": 0}),
+    "reduction-unknown": (ValueError, {"reduction": "max"}),
+    "x-float64": (TypeError, "x"),
+    "target-float": (TypeError, "target"),
+}
+
+
+@pytest.mark.parametrize("on_both", [False, True], ids=["one-rank", "both-ranks"])
+@pytest.mark.parametrize("case", REFUSED)
+def test_an_argument_refused_on_one_rank_is_refused_on_every_rank(case: str, on_both: bool) -> None:
+    """The rank whose argument is invalid raises its own error; the others, which would wait
+    for it in the check's all-reduce, raise a ValueError instead of hanging."""
+    weight, x, target, _ = _case(17, 2)
+    error, change = REFUSED[case]
+
+    def rank_main(rank: int) -> type[BaseException]:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        wrong = on_both or rank == 1
+        args, options = (x, target), {}
+        if wrong and change == "x":
+            args = (x.double(), target)
+        elif wrong and change == "target":
+            args = (x, target.float())
+        elif wrong:
+            options = change
+        with pytest.raises((TypeError, ValueError)) as info:
+            head.cross_entropy(*args, **options)
+        return info.type
+
+    expected = [error, error] if on_both else [ValueError, error]
+    assert run_threads(2, rank_main) == expected
+
+
 def test_the_same_options_however_written_are_taken_on_a_vocabulary_shard() -> None:
     """``-0.0`` is ``0.0``, and no chunk_size the default chunk: the loss is one process's."""
     weight, x, target, _ = _case(17, 2)

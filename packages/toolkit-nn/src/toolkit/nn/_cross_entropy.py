@@ -45,6 +45,18 @@ __all__ = ["VocabShard", "linear_cross_entropy"]
 _CHUNK_BYTES = 64 * 2**20
 _MIN_CHUNK = 16
 _REDUCTIONS = ("mean", "sum", "none")
+# What the ranks of a vocabulary shard compare before the first chunk (_check_same_call).
+_CHECKED = (
+    "chunk_size",
+    "ignore_index",
+    "reduction",
+    "label_smoothing",
+    "z_loss",
+    "softcap",
+    "dtype",
+    "x.requires_grad",
+    "weight.requires_grad",
+)
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
@@ -660,20 +672,23 @@ def _check_same_call(target: torch.Tensor, o: _Options, *, want_x: bool, want_w:
     if shard is None or torch.compiler.is_compiling():
         return
     flat = target.reshape(-1)
-    # (name, value shown, int64 code) for each option; the floats by their bits, exactly.
-    options = (
-        ("chunk_size", o.chunk_size, o.chunk_size),
-        ("ignore_index", o.ignore_index, o.ignore_index),
-        ("reduction", o.reduction, _REDUCTIONS.index(o.reduction)),
-        ("label_smoothing", o.label_smoothing, _float_code(o.label_smoothing)),
-        ("z_loss", o.z_loss, _float_code(o.z_loss)),
-        # 0.0, which no softcap can be, for None.
-        ("softcap", o.softcap, _float_code(o.softcap or 0.0)),
-        ("dtype", o.mm_dtype, zlib.crc32(str(o.mm_dtype).encode())),
-        ("x.requires_grad", want_x, int(want_x)),
-        ("weight.requires_grad", want_w, int(want_w)),
+    # (value shown, int64 code) for each option; the floats by their bits, exactly.
+    values = (
+        (o.chunk_size, o.chunk_size),
+        (o.ignore_index, o.ignore_index),
+        (o.reduction, _REDUCTIONS.index(o.reduction)),
+        (o.label_smoothing, _float_code(o.label_smoothing)),
+        (o.z_loss, _float_code(o.z_loss)),
+        (o.softcap, _float_code(o.softcap or 0.0)),  # 0.0, which no softcap can be, for None
+        (o.mm_dtype, zlib.crc32(str(o.mm_dtype).encode())),
+        (want_x, int(want_x)),
+        (want_w, int(want_w)),
     )
-    same = _agree(flat.new_tensor([flat.numel(), *(code for _, _, code in options)]), shard)
+    options = [(name, *value) for name, value in zip(_CHECKED, values, strict=True)]
+    same = _agree(flat.new_tensor([1, flat.numel(), *(code for _, _, code in options)]), shard)
+    if not same[0]:
+        raise _refused_elsewhere()
+    same = same[1:]
     if same[0] and not same.all():  # a different count is said below, as different tokens
         differ = " and ".join(
             f"{name} ({shown!r} here)"
@@ -696,6 +711,26 @@ def _check_same_call(target: torch.Tensor, o: _Options, *, want_x: bool, want_w:
             "sharded on the sequence (Shard(1), as TiedLinearParallel's input) and the "
             "whole targets on every rank."
         )
+
+
+def _join_refused(weight: torch.Tensor, shard: VocabShard | None) -> None:
+    """Take part, refused, in the first all-reduce of ``_check_same_call`` of the others.
+
+    A rank whose arguments were refused raises its own error; the ranks whose arguments were
+    not wait for it in the check's first all-reduce, whose first entry (0 here, 1 there)
+    tells them to raise too. Its size is that of every call's: the count of the options.
+    """
+    if shard is None or torch.compiler.is_compiling():
+        return
+    _agree(torch.zeros(len(_CHECKED) + 2, dtype=torch.int64, device=weight.device), shard)
+
+
+def _refused_elsewhere() -> ValueError:
+    return ValueError(
+        "TiedLinear.cross_entropy on a vocabulary-sharded weight: another rank of the "
+        "tensor-parallel group refused its arguments (an invalid option, target or input "
+        "there), and raised its own error; pass valid arguments, the same, on every rank"
+    )
 
 
 def linear_cross_entropy(
@@ -728,8 +763,13 @@ def linear_cross_entropy(
     needed (grad mode off, or neither ``x`` nor ``weight`` requiring grad) only the loss is
     computed.
     """
-    _check_arguments(x, weight, target, reduction, label_smoothing, z_loss, softcap, chunk_size)
-    mm = _product_dtype(x, weight)
+    try:
+        _check_arguments(x, weight, target, reduction, label_smoothing, z_loss, softcap, chunk_size)
+        mm = _product_dtype(x, weight)
+    except (TypeError, ValueError):
+        # The other ranks of a shard wait in the check's first all-reduce: join it, refused.
+        _join_refused(weight, shard)
+        raise
     target = target.long()
     # From the whole vocabulary, so that every rank of a shard takes the same chunks and its
     # all-reduces have the same sizes, whatever rows it has.
