@@ -884,3 +884,17 @@ def test_fsdp2_training_matches_the_stock_model_in_one_process(ranks: str) -> No
                 torch.testing.assert_close(actual, expected, **close, msg=named)
     # The weights moved, so the parity is not that of an untrained model.
     assert not torch.allclose(expected_states[-1]["model.embed_tokens.weight"], initial)
+
+
+def test_setting_the_tied_heads_weight_is_refused_and_leaves_the_tie() -> None:
+    # The stock idiom that unties a head, lm_head.weight = Parameter(...), has nothing to
+    # assign to: the head owns no weight.
+    model = llama()
+    head = tie_output_embeddings(model)
+    weight = model.get_input_embeddings().weight
+    with pytest.raises(AttributeError, match="weight"):
+        model.lm_head.weight = nn.Parameter(weight.detach().clone())
+    assert head.weight is weight
+    assert list(head.parameters()) == []
+    head.note = "other attributes are set as on any module"
+    assert head.note == "other attributes are set as on any module"

@@ -159,6 +159,15 @@ class _ModelHead(nn.Linear, TiedLinear):
     def __repr__(self) -> str:
         return TiedLinear.__repr__(self)
 
+    def __setattr__(self, name: str, value: Any) -> None:  # noqa: ANN401 - as Module's
+        if name == "weight":  # nn.Module's would say the attribute already exists
+            raise AttributeError(
+                "the tied head's weight is the input embeddings' weight, read live, and cannot "
+                "be set: the head owns no weight. To train a head with a weight of its own, "
+                "use the stock model, without tie_output_embeddings"
+            )
+        super().__setattr__(name, value)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
         """A copy tied to the copy of the embedding, or alone, a Linear with a copy of the weight.
 
