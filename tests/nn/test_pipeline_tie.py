@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 from collections.abc import Callable
 from copy import deepcopy
@@ -259,8 +260,14 @@ def test_a_backward_into_a_copy_the_tie_did_not_see_read_is_refused_and_changes_
         hook(weight)
     copies = (first.emb.weight, last.emb.weight)
     before = [p.grad.clone() for p in copies]  # type: ignore[union-attr]
-    with pytest.raises(RuntimeError, match="reduce_grads"):
+    with pytest.raises(RuntimeError) as info:
         tie.reduce_grads()
+    assert str(info.value) == (  # the one whole-message check of this error
+        "PipelineTie.reduce_grads() found a gradient added into a tied copy that still held the "
+        "last sum, which could not be cleared first: the copy's weight was not read through its "
+        "module or a TiedLinear, whose reads the tie hooks. Read it through them, then zero the "
+        "gradients and redo this step"
+    )
     assert all(torch.equal(p.grad, g) for p, g in zip(copies, before, strict=True))  # type: ignore[arg-type]
 
 
@@ -280,6 +287,38 @@ def test_one_rank_treats_a_gradient_without_elements_as_torch(norm_type: float) 
     except RuntimeError as error:
         result = type(error)
     assert (result == expected) if isinstance(expected, type) else torch.equal(result, expected)
+
+
+def test_a_second_tie_on_the_same_copies_is_refused_while_the_first_lives() -> None:
+    # Both would sum the copies' gradients: the tied gradient would be counted twice.
+    first, last = stages_of(0, 2)
+    tie = PipelineTie([first, last])
+    with pytest.raises(ValueError, match="'emb'"):
+        PipelineTie([first, last])
+    del tie
+    gc.collect()
+    again = PipelineTie([first, last])
+    two_stage_loss(first, last).backward()
+    again.reduce_grads()
+    whole = whole_model(initial_state())
+    whole(torch.tensor([[1, 2, 3]])).square().sum().backward()
+    for stage in (first, last):
+        torch.testing.assert_close(stage.emb.weight.grad, whole.emb.weight.grad)
+
+
+def test_a_gradient_taken_with_autograd_grad_counts_as_a_backward_into_the_copy() -> None:
+    # What the zero-bubble schedules' weight step does before adding the gradient in; so a
+    # probe between the reduction and the optimizer step clears the last stage's copy too.
+    first, last = stages_of(0, 2)
+    tie = PipelineTie([first, last])
+    two_stage_loss(first, last).backward()
+    tie.reduce_grads()
+    summed = first.emb.weight.grad.clone()  # type: ignore[union-attr]
+    (probe,) = torch.autograd.grad(last.out.head(torch.ones(1, 8)).sum(), last.emb.weight)
+    last.emb.weight.grad.add_(probe)  # type: ignore[union-attr]
+    tie.reduce_grads()
+    torch.testing.assert_close(first.emb.weight.grad, summed + probe)
+    torch.testing.assert_close(last.emb.weight.grad, summed + probe)
 
 
 # Both stages on this rank under a looped schedule: the whole model, without communication. ----

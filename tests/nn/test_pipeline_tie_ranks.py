@@ -547,28 +547,29 @@ FSDP2_CASES = [
 ]
 
 
-def reference_fsdp2(optimizer: str) -> dict[str, torch.Tensor]:
+def reference_fsdp2(optimizer: str) -> dict[str, Any]:
     """The whole model trained with ``optimizer`` and clipping, ``CHUNKS`` per step."""
     model = whole_model(initial_state())
     opt = OPTIMIZERS[optimizer](model.parameters())
-    for tokens, targets in batches(2, 2):
+    norms = []
+    for tokens, targets in batches(4, 2):
         opt.zero_grad()
         for t, y in zip(tokens.chunk(CHUNKS), targets.chunk(CHUNKS), strict=True):
             (loss_fn(model(t), y) / CHUNKS).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
         opt.step()
-    return model.state_dict()
+    return {**model.state_dict(), "norms": norms}
 
 
 @pytest.mark.parametrize(("optimizer", "setting", "set_to_none", "each"), FSDP2_CASES)
 def test_fsdp2_stages_train_as_one_model_whatever_the_zeroing_and_reshard_settings(
     optimizer: str, setting: str, set_to_none: bool, each: bool
 ) -> None:
-    # pp=2 x dp=2: each FSDP2 replica of a stage takes one row of each microbatch.
+    # pp=2 x dp=2: each FSDP2 replica of a stage takes one of the two rows of each microbatch.
     expected = reference_fsdp2(optimizer)
     stages = stages_of(0, 2)
 
-    def rank_main(rank: int) -> dict[str, torch.Tensor]:
+    def rank_main(rank: int) -> dict[str, Any]:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
         pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
         stage = copy.deepcopy(stages[pp])
@@ -578,7 +579,8 @@ def test_fsdp2_stages_train_as_one_model_whatever_the_zeroing_and_reshard_settin
         tie = PipelineTie(stage, mesh["pp"])
         opt = OPTIMIZERS[optimizer](stage.parameters())
         params = [p for group in opt.param_groups for p in group["params"]]  # the sharded ones
-        for tokens, targets in batches(2, 2):
+        norms = []  # the clipping norms, which scale with the gradients
+        for tokens, targets in batches(4, 2):
             opt.zero_grad(set_to_none=set_to_none)
             chunks = list(zip(tokens.chunk(CHUNKS), targets.chunk(CHUNKS), strict=True))
             for step in range(ACCUMULATION):
@@ -590,13 +592,12 @@ def test_fsdp2_stages_train_as_one_model_whatever_the_zeroing_and_reshard_settin
                 if each:
                     tie.reduce_grads()
             tie.reduce_grads()
-            pipeline_clip_grad_norm_(params, 0.5, tie=tie)
+            norms.append(pipeline_clip_grad_norm_(params, 0.5, tie=tie))
             opt.step()
         tie.check()
-        return {
-            name: p.full_tensor()  # type: ignore[attr-defined]
-            for name, p in zip([n for n, _ in stage.named_parameters()], params, strict=True)
-        }
+        names = [n for n, _ in stage.named_parameters()]
+        state = {n: p.full_tensor() for n, p in zip(names, params, strict=True)}  # type: ignore[attr-defined]
+        return {**state, "norms": norms}
 
     for state in run_threads(4, rank_main):
         for name, value in state.items():

@@ -138,10 +138,10 @@ def test_docstrings_are_short_and_date_each_public_name_once() -> None:
                 docstring = ast.get_docstring(node, clean=False) or ""
                 if len(docstring.splitlines()) > 40:
                     long.append(f"{name}.{getattr(node, 'name', '')}")
-        for node in tree.body:  # the module's own names, not their methods
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
-                if "Added in version" in (ast.get_docstring(node, clean=False) or ""):
-                    added.append(node.name)
+        defined = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))]
+        for node in defined:  # the module's own names, not their methods
+            if "Added in version" in (ast.get_docstring(node, clean=False) or ""):
+                added.append(node.name)
     assert long == []
     assert sorted(added) == sorted(n for n in toolkit.nn.__all__ if n != "__version__")
 

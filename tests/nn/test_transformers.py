@@ -562,10 +562,78 @@ def test_tie_weights_refuses_a_new_head_it_cannot_tie_and_leaves_it_untied(name:
     if name == "adapted-embedding":
         model.model.embed_tokens = Adapted(model.model.embed_tokens)
     model.set_output_embeddings(new)
-    with pytest.raises(ValueError if name == "bias" else RuntimeError):
+    with pytest.raises(ValueError if name == "bias" else RuntimeError) as info:
         model.tie_weights()
     assert model.get_output_embeddings() is new
     assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert str(info.value) == REFUSED_HEADS[name]  # the one whole-message check of each
+
+
+REFUSED_HEADS = {
+    "bias": (
+        "LlamaForCausalLM's output embeddings, a Linear set after tie_output_embeddings, have a "
+        "bias, which its tied head, a bias-free TiedLinear, would drop; set a head without a "
+        "bias, such as nn.Linear(hidden_size, vocab_size, bias=False), which tie_weights() ties "
+        "to the input embeddings"
+    ),
+    "adapted-embedding": (
+        f"LlamaForCausalLM's input embeddings are a {__name__}.Adapted, a module that wraps the "
+        "embedding the tied head reads (a PEFT adapter on the embedding, such as LoRA, "
+        "trainable tokens or modules_to_save), so the lookup and the head would not use the "
+        "same weight; train such an adapter on the stock model, without "
+        "tie_output_embeddings, or leave the embedding out of the adapter's modules"
+    ),
+}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_a_copy_of_the_model_keeps_its_head_on_its_own_embedding(training: bool) -> None:
+    _stock, model, head = stock_and_tied(llama)
+    model.train(training)
+    copied = copy.deepcopy(model)
+    twin = copied.get_output_embeddings()
+    assert type(twin) is type(head)
+    assert twin.weight is copied.get_input_embeddings().weight
+    assert twin.weight is not head.weight
+    assert twin.training is training
+    ids = tokens()
+    torch.testing.assert_close(copied(ids).logits, model(ids).logits, rtol=0, atol=0)
+    # The copy checks its own model's lookup: an adapter there is refused, not here.
+    copied.model.embed_tokens = Adapted(copied.model.embed_tokens)
+    with pytest.raises(RuntimeError):
+        copied(ids)
+    model(ids)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_a_copy_of_the_head_alone_owns_a_copy_of_the_weight_as_the_stock_heads(
+    training: bool,
+) -> None:
+    # What PEFT's modules_to_save makes of the head: on the stock model an untied Linear.
+    stock, _model, head = stock_and_tied(llama)
+    head.train(training)
+    stock.lm_head.train(training)
+    alone, expected = copy.deepcopy(head), copy.deepcopy(stock.lm_head)
+    assert type(alone) is type(expected) is nn.Linear
+    assert (alone.in_features, alone.out_features) == (expected.in_features, expected.out_features)
+    assert alone.bias is None
+    assert expected.bias is None
+    assert type(alone.weight) is nn.Parameter
+    assert alone.weight.requires_grad
+    assert torch.equal(alone.weight, head.weight)
+    assert alone.weight is not head.weight
+    assert alone.training is training
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(alone(x), expected(x), rtol=0, atol=0)
+
+
+def test_the_heads_requires_grad_freezes_the_shared_weight_as_the_stock_heads() -> None:
+    _, model, head = stock_and_tied(llama)
+    weight = model.get_input_embeddings().weight
+    assert head.requires_grad_(False) is head
+    assert not weight.requires_grad
+    assert head.requires_grad_() is head
+    assert weight.requires_grad
 
 
 def test_get_and_set_output_embeddings_round_trip(build: Callable) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from toolkit.nn._clip_grad import (
     by_layout,
@@ -136,24 +137,14 @@ class PipelineTie:
         # a backward on this rank clears them (see reduce_grads).
         self._summed: dict[int, tuple[weakref.ref[nn.Parameter], weakref.ref[torch.Tensor]]] = {}
         self._late_backward = False  # a gradient added into a copy of ``_summed``
-        self._unsharded: set[int] = set()  # the FSDP2 copies whose owner hooks their weight
-        # The tensors given the clearing hook, and the copies given the late check, by id: an
-        # entry goes with its tensor (a forward may read a new tensor as the weight each time).
-        self._hooked: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        self._watched: weakref.WeakValueDictionary[int, torch.Tensor] = (
-            weakref.WeakValueDictionary()
-        )
-        # A backward into a copy goes through the tensor its module or a TiedLinear read as the
-        # weight (under FSDP2 the unsharded Parameter, swapped in for the forward): each such
-        # tensor is given the hook that clears the summed copies before autograd adds into it.
-        this = weakref.ref(self)
-        copies = {id(c): c for held in self._copies.values() for c in held}
-        for copy in copies.values():
-            copy.register_forward_pre_hook(functools.partial(_before_read, this, None))
-        for stage in modules:
-            for _, head in _tied_linears(stage):
-                if id(head.tied_module) in copies:
-                    head.linear.register_forward_pre_hook(functools.partial(_before_read, this, 1))
+        # The tensors that a backward computes a copy's gradient for (the copy's Parameter, or
+        # FSDP2's unsharded one) with the hook that clears the summed copies first.
+        self._hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()  # copies with the late check
+        self._owners: set[int] = set()  # the FSDP2 modules whose forwards hook the unsharded
+        for name in self.names:
+            self._gradient_holders(name)  # hooks the FSDP2 modules that hold copies already
+            _TIES.update((copy, weakref.ref(self)) for copy in self._copies[name])
         self.broadcast()
 
     def _weights(self, name: str) -> list[torch.Tensor]:
@@ -209,10 +200,10 @@ class PipelineTie:
             if owner is not None:
                 if not _is_dtensor(_weight(path[-1])):
                     owner.reshard()
-                if id(path[-1]) not in self._unsharded:
-                    hook = functools.partial(_after_unshard, weakref.ref(self), path[-1])
+                if id(owner) not in self._owners:
+                    hook = functools.partial(_after_unshard, weakref.ref(self))
                     owner.register_forward_pre_hook(hook)  # after FSDP2's, which it prepends
-                    self._unsharded.add(id(path[-1]))
+                    self._owners.add(id(owner))
             params.append(_weight(path[-1]))
         return params
 
@@ -326,21 +317,26 @@ class PipelineTie:
                 self._watch(param)
 
     def _see(self, tensor: torch.Tensor) -> None:
-        """Clear the summed copies before autograd adds a gradient into ``tensor``, once."""
-        if self._hooked.get(id(tensor)) is tensor or not tensor.requires_grad:
+        """Clear the summed copies before autograd computes a gradient for ``tensor``, once.
+
+        A hook on ``tensor`` runs before autograd adds its gradient into ``.grad``, and also
+        where ``torch.autograd.grad`` takes it, as the zero-bubble schedules' weight step
+        does before adding it in.
+        """
+        if tensor in self._hooked or not tensor.requires_grad:
             return
         hook = functools.partial(_before_accumulation, weakref.ref(self))
         tensor.register_hook(hook)  # type: ignore[no-untyped-call]
-        self._hooked[id(tensor)] = tensor
+        self._hooked[tensor] = True
 
     def _watch(self, param: nn.Parameter) -> None:
         """Notice a gradient added into ``param`` while it holds the sum, once per Parameter."""
-        if self._watched.get(id(param)) is param or not param.requires_grad:
+        if param in self._watched or not param.requires_grad:
             return
         param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
             functools.partial(_after_accumulation, weakref.ref(self))
         )
-        self._watched[id(param)] = param
+        self._watched[param] = True
 
     def duplicates(self) -> Iterator[nn.Parameter]:
         """The copies not counted in a norm over the pipeline: all but the first stage's."""
@@ -491,33 +487,19 @@ def _pipeline_group(
     return dist.group.WORLD  # type: ignore[return-value]
 
 
-def _before_read(
-    tie: weakref.ref[PipelineTie], position: int | None, module: nn.Module, args: tuple[Any, ...]
-) -> None:
-    """Hook the tensor that a forward reads as a copy's weight.
-
-    A forward pre-hook of a copy (``position`` None: its ``weight``) or of a TiedLinear's
-    product (the weight is its argument ``position``).
-    """
+def _after_unshard(tie: weakref.ref[PipelineTie], module: nn.Module, args: object) -> None:
+    """A forward pre-hook of an FSDP2 module holding copies: hook their unsharded weights."""
     live = tie()
-    if live is not None and live._summed:
-        weight = module.weight if position is None else args[position]
-        live._see(weight)  # type: ignore[arg-type] # a copy's weight, checked at set-up
-
-
-def _after_unshard(
-    tie: weakref.ref[PipelineTie], copy: nn.Module, module: nn.Module, args: object
-) -> None:
-    """A forward pre-hook of the FSDP2 module holding ``copy``: hook the unsharded weight."""
-    live = tie()
-    if live is not None and live._summed:
-        live._see(_weight(copy))
+    if live is not None and not torch.compiler.is_compiling():
+        for copies in live._copies.values():
+            for copy in copies:
+                live._see(_weight(copy))
 
 
 def _before_accumulation(tie: weakref.ref[PipelineTie], grad: torch.Tensor) -> None:
-    """A tensor hook, before autograd adds ``grad`` into a copy: the last sum is taken back."""
+    """A tensor hook, before autograd adds into a copy: the summed copies are cleared."""
     live = tie()
-    if live is not None and live._summed:
+    if live is not None:
         live._take_back()
 
 
@@ -660,6 +642,10 @@ class _Layout(NamedTuple):
     dtype: torch.dtype
 
 
+# The live PipelineTie of each tied copy: a second tie would sum its gradient again.
+_TIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def _gather(obj: object, group: dist.ProcessGroup) -> list[Any]:
     """``obj`` of every rank of ``group``, in group rank order."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -679,6 +665,14 @@ def _copies_problem(
     for name in names:
         copies = [stage.get_submodule(name) for stage in stages if _holds_copy(stage, name)]
         for copy in copies:
+            kept = _TIES.get(copy)  # type: ignore[no-untyped-call]
+            if kept is not None and kept() is not None:
+                return (
+                    f"its tied module '{name}' ({_describe(copy)}) is kept by another "
+                    "PipelineTie already, which sums its gradient too, so it would be counted "
+                    "twice; keep using that one, or delete it before building another",
+                    {},
+                )
             others = sorted(n for n, _ in copy.named_parameters() if n != "weight")
             if others:
                 return (

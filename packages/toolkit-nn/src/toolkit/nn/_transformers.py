@@ -171,15 +171,20 @@ class _ModelHead(nn.Linear, TiedLinear):
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
         """A copy tied to the copy of the embedding, or alone, a Linear with a copy of the weight.
 
-        Within a copy of the model (a memo that holds what was copied before), the copy reads
-        the copied embedding. A copy of the head alone (PEFT's ``modules_to_save``) is what
-        the stock head's copy is: an ``nn.Linear`` that owns a copy of the weight, untied.
+        Within a copy of the model (``copy.deepcopy`` was called on something that holds the
+        head, so ``memo`` is not empty) the copy is the head's, whose attributes read the
+        copied embedding and model. A copy of the head alone (PEFT's ``modules_to_save``) is
+        what the stock head's copy is: an ``nn.Linear`` that owns a copy of the weight.
         """
         if memo:
-            owner = copy.deepcopy(self._owner, memo)
-            return _ModelHead(copy.deepcopy(self.tied_module, memo), owner, self._name)
-        alone = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
-        alone.weight = copy.deepcopy(self.weight, memo)
+            twin = object.__new__(type(self))
+            memo[id(self)] = twin
+            twin.__dict__.update(copy.deepcopy(self.__dict__, memo))
+            return twin
+        alone: nn.Linear = torch.nn.utils.skip_init(  # type: ignore[no-untyped-call]
+            nn.Linear, self.in_features, self.out_features, bias=False
+        )
+        alone.weight = copy.deepcopy(self.weight)
         alone.train(self.training)
         return alone
 
