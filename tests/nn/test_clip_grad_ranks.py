@@ -693,3 +693,46 @@ def test_ranks_outside_every_mesh_of_the_others_may_pass_only_plain_tensors() ->
 
     for rank, norm in enumerate(run_threads(4, rank_main)):
         torch.testing.assert_close(norm, expected[rank // 2])
+
+
+@pytest.mark.parametrize("norm_type", [INF, -INF])
+def test_without_a_process_group_an_inf_norm_over_an_empty_gradient_is_refused_as_torch(
+    norm_type: float,
+) -> None:
+    assert not dist.is_initialized()
+
+    def params() -> list[nn.Parameter]:
+        full, empty = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(0))
+        full.grad, empty.grad = torch.full((3,), 2.0), torch.ones(0)
+        return [full, empty]
+
+    with pytest.raises(RuntimeError):
+        torch.nn.utils.clip_grad_norm_(params(), 1.0, norm_type)
+    mine = params()
+    with pytest.raises(RuntimeError):
+        clip_grad_norm_(mine, 1.0, norm_type)
+    assert torch.equal(mine[0].grad, torch.full((3,), 2.0))  # nothing scaled
+
+
+def test_the_ranks_agree_in_one_all_reduce_of_2_world_plus_2_integers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What the guide says the agreement costs, on every rank, whatever it holds.
+    sizes: dict[int, list[tuple[torch.dtype, int]]] = {0: [], 1: []}
+    real = dist.all_reduce
+
+    def logged(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sizes[dist.get_rank()].append((tensor.dtype, tensor.numel()))
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", logged)
+
+    def rank_main(rank: int) -> None:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(torch.full((4, 2), 0.5), mesh, [Shard(0)])
+        clip_grad_norm_([weight], 1.0)
+
+    run_threads(2, rank_main)
+    for rank in (0, 1):
+        assert [size for dtype, size in sizes[rank] if dtype == torch.int32] == [6]
