@@ -264,9 +264,9 @@ def test_a_backward_into_a_copy_the_tie_did_not_see_read_is_refused_and_changes_
         tie.reduce_grads()
     assert str(info.value) == (  # the one whole-message check of this error
         "PipelineTie.reduce_grads() found a gradient added into a tied copy that still held the "
-        "last sum, which could not be cleared first: the copy's weight was not read through its "
-        "module or a TiedLinear, whose reads the tie hooks. Read it through them, then zero the "
-        "gradients and redo this step"
+        "last sum, which could not be cleared first: no hook of the tie saw that backward coming "
+        "(a copy under FSDP2 whose module's forward did not run since the tie was built). Zero "
+        "the gradients and redo this step"
     )
     assert all(torch.equal(p.grad, g) for p, g in zip(copies, before, strict=True))  # type: ignore[arg-type]
 

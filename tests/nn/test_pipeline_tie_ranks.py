@@ -195,6 +195,30 @@ def test_an_inf_norm_over_a_gradient_without_elements_is_refused_on_every_stage(
     assert run_threads(2, rank_main) == [True, True]  # nothing was scaled
 
 
+def test_a_copy_sharded_after_the_tie_was_built_is_refused_on_every_rank() -> None:
+    # The last stage's copy changes its local shape after set-up (as fully_shard applied after
+    # the tie would): every rank raises, the middle one, without a copy, included.
+    stages = stages_of(0, 3)
+
+    def rank_main(rank: int) -> str:
+        stage = copy.deepcopy(stages[rank])
+        tie = PipelineTie(stage, dist.group.WORLD)
+        if stage.emb is not None:
+            if rank == 2:
+                stage.emb.weight = nn.Parameter(stage.emb.weight.detach()[:9].clone())
+            stage.emb.weight.grad = torch.ones_like(stage.emb.weight)
+        with pytest.raises(ValueError) as info:  # noqa: PT011 - the message is checked below
+            tie.reduce_grads()
+        return str(info.value)
+
+    message = (  # the one whole-message check of this error
+        "PipelineTie.reduce_grads() found a copy of a tied weight whose local shape is not the "
+        "one it had when the tie was built: the stages were sharded (by fully_shard, say) "
+        "after it. Build the PipelineTie after wrapping the stages"
+    )
+    assert run_threads(3, rank_main) == [message] * 3
+
+
 # Groups: two pipelines side by side, ranks 0 and 1 in one, 2 and 3 in the other. -------------
 
 

@@ -256,14 +256,21 @@ class PipelineTie:
         """
         with torch.no_grad():
             holders = {name: self._gradient_holders(name) for name in self.names}
-            sums, present, late = self._sums(holders)
+            sums, present, problems = self._sums(holders)
+            late, changed = problems.tolist()
+            if changed:
+                raise ValueError(
+                    "PipelineTie.reduce_grads() found a copy of a tied weight whose local shape "
+                    "is not the one it had when the tie was built: the stages were sharded (by "
+                    "fully_shard, say) after it. Build the PipelineTie after wrapping the stages"
+                )
             if late:
                 self._late_backward = False
                 raise RuntimeError(
                     "PipelineTie.reduce_grads() found a gradient added into a tied copy that "
-                    "still held the last sum, which could not be cleared first: the copy's "
-                    "weight was not read through its module or a TiedLinear, whose reads the tie "
-                    "hooks. Read it through them, then zero the gradients and redo this step"
+                    "still held the last sum, which could not be cleared first: no hook of the "
+                    "tie saw that backward coming (a copy under FSDP2 whose module's forward did "
+                    "not run since the tie was built). Zero the gradients and redo this step"
                 )
             self._summed.clear()
             for name, total in sums.items():
@@ -272,16 +279,18 @@ class PipelineTie:
 
     def _sums(
         self, holders: dict[str, list[nn.Parameter]]
-    ) -> tuple[dict[str, torch.Tensor], dict[str, bool], bool]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, bool], torch.Tensor]:
         """The tied weights' sums over the group, in one ``all_reduce``.
 
-        Returns each weight's sum, whether any copy of it had a gradient, and whether any rank
-        found a late gradient (see reduce_grads).
+        Returns each weight's sum, whether any copy of it had a gradient, and how many ranks
+        found a late gradient (see reduce_grads) and a copy whose local shape changed.
         """
         sizes = [math.prod(self._layouts[name].local_shape) for name in self._shared]
-        extra = len(self._shared) + 1  # a count of copies with a gradient per weight; a flag
+        # A count of copies with a gradient per weight, then the ranks' two problems.
+        extra = len(self._shared) + 2
         flat = torch.zeros(sum(sizes) + extra, dtype=self._dtype, device=self._device)
-        *parts, counts, late = torch.split(flat, [*sizes, len(self._shared), 1])
+        *parts, counts, problems = torch.split(flat, [*sizes, len(self._shared), 2])
+        changed = False
         sums: dict[str, torch.Tensor] = {}
         present: dict[str, bool] = {}
         for name in self.names:
@@ -292,17 +301,21 @@ class PipelineTie:
                 sums[name] = torch.zeros(layout.local_shape, dtype=self._dtype, device=self._device)
             present[name] = any(p.grad is not None for p in holders[name])
             for param in holders[name]:
+                if param.grad is None:
+                    continue
+                grad = _local(param.grad)
+                changed |= grad.shape != layout.local_shape
                 # A copy still holding the sum written last adds nothing: the first holds it.
-                if param.grad is not None and not self._holds_sum(param):
-                    sums[name].add_(_local(param.grad))
+                if grad.shape == layout.local_shape and not self._holds_sum(param):
+                    sums[name].add_(grad)
         counts.copy_(counts.new_tensor([float(present[n]) for n in self._shared]))
-        late.fill_(float(self._late_backward))
+        problems.copy_(problems.new_tensor([float(self._late_backward), float(changed)]))
         if self._shared:
             dist.all_reduce(flat, group=self.group)
         present.update(
             (name, count > 0) for name, count in zip(self._shared, counts.tolist(), strict=True)
         )
-        return sums, present, late.item() > 0
+        return sums, present, problems
 
     def _give(self, name: str, params: list[nn.Parameter], total: torch.Tensor) -> None:
         """Write ``total`` into the gradient of each of ``name``'s copies ``params``."""
