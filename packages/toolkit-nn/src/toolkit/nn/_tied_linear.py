@@ -219,7 +219,9 @@ class TiedLinear:
                 (``torch.func.jvp``); the message says why and what to use.
 
         Examples:
+            >>> import torch
             >>> import torch.nn.functional as F
+            >>> from toolkit.nn import TiedLinear
             >>> head = TiedLinear(torch.nn.Embedding(100, 16))
             >>> x, target = torch.randn(8, 16), torch.randint(0, 100, (8,))
             >>> loss = head.cross_entropy(x, target, chunk_size=3)
