@@ -8,6 +8,7 @@ Whatever transformers does with its tied head must give the same result on both.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import types
 from collections.abc import Callable
@@ -966,3 +967,18 @@ def test_setting_the_tied_heads_weight_is_refused_and_leaves_the_tie() -> None:
     assert list(head.parameters()) == []
     head.note = "other attributes are set as on any module"
     assert head.note == "other attributes are set as on any module"
+
+
+def test_what_refers_to_the_head_in_its_own_state_refers_to_the_copy_in_a_copy() -> None:
+    # A hook that holds the head (a bound method, a partial) is copied with it, as Python's
+    # deepcopy of a module does: it then holds the copy, not the original, nor a third head.
+    _, model, head = stock_and_tied(llama)
+    seen: list[nn.Module] = []
+
+    def record(owner: nn.Module, module: nn.Module, args: object, output: object) -> None:
+        seen.append(owner)
+
+    head.register_forward_hook(functools.partial(record, head))
+    copied = copy.deepcopy(model)
+    copied(tokens())
+    assert seen == [copied.get_output_embeddings()]

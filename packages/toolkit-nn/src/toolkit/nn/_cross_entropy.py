@@ -722,7 +722,7 @@ def _join_refused(weight: torch.Tensor, shard: VocabShard | None) -> None:
     """
     if shard is None or torch.compiler.is_compiling():
         return
-    _agree(torch.zeros(len(_CHECKED) + 2, dtype=torch.int64, device=weight.device), shard)
+    _agree(weight.new_zeros(len(_CHECKED) + 2, dtype=torch.int64), shard)
 
 
 def _refused_elsewhere() -> ValueError:

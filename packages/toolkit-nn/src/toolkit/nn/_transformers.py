@@ -182,7 +182,7 @@ class _ModelHead(nn.Linear, TiedLinear):
             twin.__dict__.update(copy.deepcopy(self.__dict__, memo))
             return twin
         alone: nn.Linear = torch.nn.utils.skip_init(  # type: ignore[no-untyped-call]
-            nn.Linear, self.in_features, self.out_features, bias=False
+            nn.Linear, self.in_features, self.out_features, False
         )
         alone.weight = copy.deepcopy(self.weight)
         alone.train(self.training)
@@ -236,9 +236,9 @@ def _check_tying_adapters(model: nn.Module, path: str, *args: object) -> None:
     name the head, so with ``ensure_weight_tying`` it would adapt the head alone, untied from
     the embedding's adapter that the stock model ties it to.
     """
-    configs = getattr(model, "peft_config", None)
+    configs = vars(model).get("peft_config")  # what PEFT sets on the model it adapts
     if not isinstance(configs, dict) or not any(
-        getattr(config, "ensure_weight_tying", False) for config in configs.values()
+        vars(config).get("ensure_weight_tying") is True for config in configs.values()
     ):
         return
     if isinstance(model.get_submodule(path), _ModelHead):
