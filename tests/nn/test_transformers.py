@@ -21,86 +21,18 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from transformers import (
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    GPT2Config,
-    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaModel,
     LlamaPreTrainedModel,
     PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 from transformers.distributed.fsdp import _resolve_tied_embed_lm_head_plan
 
 from tests.nn.distributed.tiny_lm import full_state
+from tests.nn.hf_models import VOCAB, gemma2, gpt2, llama, qwen2
 from tests.nn.ranks import process_group, run_processes, run_threads
 from toolkit.nn import TiedLinear, tie_output_embeddings
-
-VOCAB = 61
-
-
-def llama(**overrides: object) -> LlamaForCausalLM:
-    options: dict[str, object] = {
-        "vocab_size": VOCAB,
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": True,  # False by default for Llama
-    }
-    config = LlamaConfig(**{**options, **overrides})
-    return LlamaForCausalLM(config)
-
-
-def gpt2(**overrides: object) -> GPT2LMHeadModel:
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        n_positions=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,  # no dropout, so that two models in training mode agree
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        **overrides,
-    )
-    return GPT2LMHeadModel(config)
-
-
-def qwen2() -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,  # False by default for Qwen2
-    )
-    return Qwen2ForCausalLM(config)
-
-
-def gemma2() -> Gemma2ForCausalLM:
-    config = Gemma2Config(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=64,
-    )
-    return Gemma2ForCausalLM(config)
-
 
 BUILDERS: dict[str, Callable[..., PreTrainedModel]] = {"llama": llama, "gpt2": gpt2}
 # The architectures of the tests that check what differs between them: tied heads read

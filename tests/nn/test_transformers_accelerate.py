@@ -14,8 +14,9 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from tests.nn import hf_models
 from tests.nn.distributed.tiny_lm import full_state
 from tests.nn.ranks import process_group, run_processes
 from toolkit.nn import TiedLinear, tie_output_embeddings
@@ -31,17 +32,7 @@ STEPS = [
 
 def llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config)
+    return hf_models.llama(vocab_size=VOCAB)
 
 
 def prepare(model: torch.nn.Module) -> torch.nn.Module:

@@ -16,8 +16,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from tests.nn import hf_models
 from toolkit.nn import tie_output_embeddings
 
 peft = pytest.importorskip("peft")
@@ -27,16 +28,7 @@ VOCAB = 61
 
 def llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config)
+    return hf_models.llama(vocab_size=VOCAB)
 
 
 IDS = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))

@@ -205,8 +205,7 @@ class TiedLinear:
                 Added in version v3.59.0.
             softcap: Logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
                 Added in version v3.59.0.
-            chunk_size: Tokens per chunk, or None to bound each chunk's logits to
-                64 MiB (at least 16 tokens); smaller chunks use less memory.
+            chunk_size: Tokens per chunk; None bounds a chunk's logits to 64 MiB (16 tokens+).
 
         Returns:
             The loss: a scalar, or per token for ``reduction="none"``.
