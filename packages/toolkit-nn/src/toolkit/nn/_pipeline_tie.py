@@ -55,9 +55,9 @@ class PipelineTie:
         ValueError: On every rank of ``group``, if a stage's TiedLinear reads a module not
             registered in that stage, no TiedLinear is found, the copies differ in shape,
             dtype or local shard shape, two stages of a rank share one weight object, a tied
-            module has parameters besides its weight, or two ranks hold the same stages (the
-            default group under data parallelism: pass the pipeline's group). On a rank
-            outside ``group``, saying so.
+            module has parameters besides its weight, two ranks hold the same stages (the
+            default group under data parallelism: pass the pipeline's group), or a live
+            PipelineTie keeps a copy already. On a rank outside ``group``, saying so.
 
     Added in version v3.58.0.
 
@@ -243,16 +243,17 @@ class PipelineTie:
         copy's gradient carries the sum this method wrote, as the single weight would in one
         process; the other copies hold it for clipping and the optimizer step, until a
         backward on their rank is about to add into a copy, which clears them first, so that
-        each then gathers only its own backward passes. So what happens to the gradients in
-        between (clipping, unscaling, the optimizer step, ``zero_grad`` of any kind,
-        evaluation forwards) needs no telling.
+        each then gathers only its own backward passes. Clipping, the optimizer step,
+        ``zero_grad`` of any kind and evaluation forwards need no telling; call it after the
+        last backward before the step, and before a loss scaler's ``unscale_()``.
 
         Raises:
+            ValueError: On every rank, if a copy's local shape changed since set-up (the
+                stages sharded after the tie was built); nothing is changed.
             RuntimeError: On every rank, if a gradient was added into a copy holding the sum
-                without passing through the tensor its module or a TiedLinear read as the
-                weight (a weight read some other way under FSDP2), so that the sum could not
-                be cleared first. Nothing is changed; read the copy through its module or a
-                TiedLinear, zero the gradients and redo the step.
+                that no hook of the tie saw coming (a copy under FSDP2 whose module's forward
+                did not run since the tie was built), so that the sum could not be cleared
+                first. Nothing is changed; zero the gradients and redo the step.
         """
         with torch.no_grad():
             holders = {name: self._gradient_holders(name) for name in self.names}
