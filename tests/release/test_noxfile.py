@@ -125,12 +125,36 @@ def test_only_the_uv_probe_message_is_dropped(noxfile: ModuleType) -> None:
     assert shown("uv binary not found. (and more)")
 
 
-def test_ci_runs_nox_the_torchtitan_session_then_the_incremental_mutation_run() -> None:
+def ci_commands(tmp_path: Path, stale: int) -> list[str]:
+    """The commands ``.ci/run`` runs, with nox and python3 stubbed: python3 lists ``stale``
+    functions that differ from the mutation ledger."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "log"
+    listing = "".join(f"  toolkit.nn.f{i} (its code changed)\\n" for i in range(stale))
+    stubs = {
+        "nox": f'echo "nox $*" >> {log}',
+        "python3": f'echo "python3 $*" >> {log}; printf "functions to mutate in full:\\n{listing}"',
+    }
+    for name, body in stubs.items():
+        stub = bin_dir / name
+        stub.write_text(f"#!/usr/bin/env bash\n{body}\n")
+        stub.chmod(0o755)
     script = (ROOT / ".ci" / "run").read_text()
-    assert script.rstrip().endswith(
-        "\nTOOLKIT_PYTHON=3.11 nox\nTOOLKIT_PYTHON=3.11 nox -s torchtitan"
-        "\nTOOLKIT_PYTHON=3.11 nox -s mutation -- --incremental"
-    )
+    # From the first nox on: the venv's install is CI's own.
+    body = script[script.index("TOOLKIT_PYTHON=3.11 nox\n") :]
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run(["bash", "-c", f"set -euo pipefail\n{body}"], env=env, cwd=ROOT, check=True)
+    return [line for line in log.read_text().splitlines() if not line.startswith("python3")]
+
+
+@pytest.mark.parametrize(("stale", "mutation"), [(0, True), (40, True), (41, False)])
+def test_ci_runs_nox_the_torchtitan_session_then_the_mutation_run_within_its_budget(
+    tmp_path: Path, stale: int, mutation: bool
+) -> None:
+    commands = ["nox ", "nox -s torchtitan"] + (["nox -s mutation -- --incremental"] * mutation)
+    assert ci_commands(tmp_path, stale) == commands
+    script = (ROOT / ".ci" / "run").read_text()
     assert '-c constraints.txt "nox' in script
     assert os.access(ROOT / ".ci" / "run", os.X_OK)
 
