@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 __all__ = ["clip_grad_norm_"]
 
 
-@torch.no_grad()
 def clip_grad_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
@@ -66,12 +65,13 @@ def clip_grad_norm_(
         >>> clip_grad_norm_(layer.parameters(), max_norm=1.0)
         tensor(1.7321)
     """
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    groups = by_mesh(params)
-    agree(params, groups, norm_type)
-    total = total_norm(groups, norm_type, foreach)
-    check_finite(total, norm_type, error_if_nonfinite)
-    clip_with_norm(groups, max_norm, total, foreach)
+    with torch.no_grad():  # inside, not as a decorator: mutation testing reaches the body
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        groups = by_mesh(params)
+        agree(params, groups, norm_type)
+        total = total_norm(groups, norm_type, foreach)
+        check_finite(total, norm_type, error_if_nonfinite)
+        clip_with_norm(groups, max_norm, total, foreach)
     return total
 
 
