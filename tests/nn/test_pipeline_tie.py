@@ -269,6 +269,33 @@ def test_a_backward_into_a_copy_the_tie_did_not_see_read_is_refused_and_changes_
         "the gradients and redo this step"
     )
     assert all(torch.equal(p.grad, g) for p, g in zip(copies, before, strict=True))  # type: ignore[arg-type]
+    # As it says: zeroed and redone, the step counts as in one process.
+    for stage in (first, last):
+        stage.zero_grad(set_to_none=False)
+    two_stage_loss(first, last).backward()
+    tie.reduce_grads()
+    whole = whole_model(initial_state())
+    whole(torch.tensor([[1, 2, 3]])).square().sum().backward()
+    for stage in (first, last):
+        torch.testing.assert_close(stage.emb.weight.grad, whole.emb.weight.grad)
+
+
+def test_a_gradient_set_anew_on_a_copy_the_tie_did_not_see_counts_as_its_own() -> None:
+    # Zeroed with set_to_none, the copy's next gradient is a new tensor, which holds no sum:
+    # a gradient set without the clearing hook (as FSDP2 sets one) is counted, not refused.
+    first, last = stages_of(0, 2)
+    tie = PipelineTie([first, last])
+    two_stage_loss(first, last).backward()
+    tie.reduce_grads()
+    for stage in (first, last):
+        stage.zero_grad(set_to_none=True)
+    weight = last.emb.weight
+    weight.grad = torch.full_like(weight, 2.0)
+    for hook in (weight._post_accumulate_grad_hooks or {}).values():
+        hook(weight)
+    tie.reduce_grads()
+    for stage in (first, last):
+        assert torch.equal(stage.emb.weight.grad, torch.full_like(weight, 2.0))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("norm_type", [INF, -INF, 2.0])

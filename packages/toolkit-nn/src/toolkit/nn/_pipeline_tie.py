@@ -207,18 +207,13 @@ class PipelineTie:
             params.append(_weight(path[-1]))
         return params
 
-    def _summed_copy(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` is a copy the last reduce_grads() gave the sum, not read since."""
-        summed = self._summed.get(id(param))
-        return summed is not None and summed[0]() is param
-
     def _holds_sum(self, param: torch.Tensor) -> bool:
-        """Whether ``param``'s gradient is still the tensor the last reduce_grads() wrote.
+        """Whether ``param`` is a copy given the last sum, its gradient the tensor written.
 
-        A gradient assigned since is that copy's own, whatever it holds.
+        Not cleared since; a gradient assigned since is the copy's own.
         """
         summed = self._summed.get(id(param))
-        return self._summed_copy(param) and summed[1]() is param.grad  # type: ignore[index]
+        return summed is not None and summed[0]() is param and summed[1]() is param.grad
 
     def _take_back(self) -> None:
         """Clear the copies that the last reduce_grads() gave the sum: the first carries it."""
@@ -266,7 +261,9 @@ class PipelineTie:
                     "fully_shard, say) after it. Build the PipelineTie after wrapping the stages"
                 )
             if late:
+                # Refused once: zeroed and redone, the step counts every copy as its own.
                 self._late_backward = False
+                self._summed.clear()
                 raise RuntimeError(
                     "PipelineTie.reduce_grads() found a gradient added into a tied copy that "
                     "still held the last sum, which could not be cleared first: no hook of the "
@@ -520,7 +517,7 @@ def _before_accumulation(tie: weakref.ref[PipelineTie], grad: torch.Tensor) -> N
 def _after_accumulation(tie: weakref.ref[PipelineTie], param: torch.Tensor) -> None:
     """A post-accumulate-grad hook: a backward into a copy that still holds the last sum."""
     live = tie()
-    if live is not None and live._summed_copy(param):
+    if live is not None and live._holds_sum(param):
         live._late_backward = True
 
 
