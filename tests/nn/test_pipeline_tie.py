@@ -210,6 +210,16 @@ def test_accumulating_into_three_copies_on_one_rank_counts_each_backward_once() 
         torch.testing.assert_close(stage.emb.weight.grad, 2 * once)
 
 
+def assert_copies_hold_the_whole_models_gradient(
+    first: nn.Module, last: nn.Module, backward_passes: int = 1
+) -> None:
+    """Both copies hold what ``backward_passes`` of ``two_stage_loss`` give in one process."""
+    whole = whole_model(initial_state())
+    (backward_passes * whole(torch.tensor([[1, 2, 3]])).square().sum()).backward()
+    for stage in (first, last):
+        torch.testing.assert_close(stage.emb.weight.grad, whole.emb.weight.grad)
+
+
 def two_stage_loss(first: nn.Module, last: nn.Module) -> torch.Tensor:
     return last(first(torch.tensor([[1, 2, 3]]))).square().sum()  # type: ignore[no-any-return]
 
@@ -223,10 +233,7 @@ def test_a_backward_of_a_forward_run_before_reduce_grads_counts_once() -> None:
     tie.reduce_grads()
     late.backward()
     tie.reduce_grads()
-    whole = whole_model(initial_state())
-    (2 * whole(torch.tensor([[1, 2, 3]])).square().sum()).backward()
-    for stage in (first, last):
-        torch.testing.assert_close(stage.emb.weight.grad, whole.emb.weight.grad)
+    assert_copies_hold_the_whole_models_gradient(first, last, backward_passes=2)
 
 
 def test_forwards_between_the_reduction_and_the_step_leave_the_sum_on_every_copy() -> None:
@@ -274,10 +281,7 @@ def test_a_backward_into_a_copy_the_tie_did_not_see_read_is_refused_and_changes_
         stage.zero_grad(set_to_none=False)
     two_stage_loss(first, last).backward()
     tie.reduce_grads()
-    whole = whole_model(initial_state())
-    whole(torch.tensor([[1, 2, 3]])).square().sum().backward()
-    for stage in (first, last):
-        torch.testing.assert_close(stage.emb.weight.grad, whole.emb.weight.grad)
+    assert_copies_hold_the_whole_models_gradient(first, last)
 
 
 def test_a_gradient_set_anew_on_a_copy_the_tie_did_not_see_counts_as_its_own() -> None:
@@ -327,10 +331,7 @@ def test_a_second_tie_on_the_same_copies_is_refused_while_the_first_lives() -> N
     again = PipelineTie([first, last])
     two_stage_loss(first, last).backward()
     again.reduce_grads()
-    whole = whole_model(initial_state())
-    whole(torch.tensor([[1, 2, 3]])).square().sum().backward()
-    for stage in (first, last):
-        torch.testing.assert_close(stage.emb.weight.grad, whole.emb.weight.grad)
+    assert_copies_hold_the_whole_models_gradient(first, last)
 
 
 def test_a_gradient_taken_with_autograd_grad_counts_as_a_backward_into_the_copy() -> None:
