@@ -12,6 +12,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -77,3 +79,19 @@ def gemma2() -> Gemma2ForCausalLM:
         max_position_embeddings=64,
     )
     return Gemma2ForCausalLM(config)
+
+
+def opt() -> OPTForCausalLM:
+    """A decoder two levels down (``model.decoder``), which the causal LM calls directly."""
+    config = OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        word_embed_proj_dim=16,
+        ffn_dim=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return OPTForCausalLM(config)

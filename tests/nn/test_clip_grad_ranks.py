@@ -629,16 +629,18 @@ def test_a_plain_parameters_gradient_that_is_a_dtensor_on_some_ranks_only_is_ref
 
     def rank_main(rank: int) -> tuple[str, list[torch.Tensor | None]]:
         mesh = init_device_mesh("cpu", (2,))
-        scale = nn.Parameter(torch.zeros(2))
-        if rank == 0:
-            scale.grad = DTensor.from_local(grad.clone(), mesh, [Replicate()])
-        elif other == "plain":
-            scale.grad = grad.clone()
+        scale, later = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+        for param in (scale, later):
+            if rank == 0:
+                param.grad = DTensor.from_local(grad.clone(), mesh, [Replicate()])
+            elif other == "plain":
+                param.grad = grad.clone()
         params = [scale, plain_with_grad(torch.tensor([5.0]))]
         if beside:
             weight = nn.Parameter(distribute_tensor(torch.zeros(3), mesh, [Shard(0)]))
             weight.grad = distribute_tensor(torch.ones(3), mesh, [Shard(0)])
             params.append(weight)
+        params.append(later)  # the error names the first such parameter
         with pytest.raises(ValueError, match=r"parameters\[0\].*rank\(s\) \[1\]") as info:
             clip_grad_norm_(params, 1e-3)
         return str(info.value), [None if p.grad is None else full(p.grad) for p in params]

@@ -914,3 +914,28 @@ def test_what_refers_to_the_head_in_its_own_state_refers_to_the_copy_in_a_copy()
     copied = copy.deepcopy(model)
     copied(tokens())
     assert seen == [copied.get_output_embeddings()]
+
+
+class _WeightOnlyHead(nn.Module):
+    """A head with a weight and no ``bias`` attribute at all."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+def test_a_head_without_a_bias_attribute_is_tied_again_as_on_the_stock_model() -> None:
+    stock, model, _ = stock_and_tied(llama)
+    new = _WeightOnlyHead(VOCAB, stock.get_input_embeddings().embedding_dim)
+    for each in (stock, model):
+        each.set_output_embeddings(copy.deepcopy(new))
+        each.tie_weights()
+    assert stock.get_output_embeddings().weight is stock.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    assert isinstance(head, TiedLinear)
+    assert_tied(model, head)
+    ids = tokens()
+    assert torch.equal(model(ids).logits, stock(ids).logits)

@@ -211,3 +211,19 @@ def test_the_refusal_of_lora_on_the_embedding_names_peft_s_class() -> None:
     peft_model = adapted(model, ON_THE_EMBEDDING["lora"]())
     with pytest.raises(RuntimeError, match=r"are a peft\.tuners\.lora\.layer\.Embedding, a module"):
         peft_model(input_ids=IDS, labels=IDS)
+
+
+@pytest.mark.parametrize("on", ["embedding", "head"])
+def test_the_refusals_hold_where_the_causal_lm_calls_a_nested_decoder(on: str) -> None:
+    """OPT keeps its embedding in ``model.decoder``, which its causal LM calls directly, past
+    ``model``: the checks sit on the module that holds the embedding."""
+    torch.manual_seed(0)
+    model = hf_models.opt()
+    tie_output_embeddings(model)
+    if on == "embedding":
+        config = peft.LoraConfig(target_modules=["embed_tokens", "q_proj"])
+    else:
+        config = peft.LoraConfig(target_modules=["q_proj", "lm_head"], ensure_weight_tying=True)
+    peft_model = adapted(model, config)
+    with pytest.raises(RuntimeError, match="without tie_output_embeddings"):
+        peft_model(input_ids=IDS, labels=IDS)

@@ -126,32 +126,34 @@ def agree(params: list[torch.Tensor], groups: list[list[torch.Tensor]], norm_typ
         return  # no DTensor can exist; torch's own norm refuses an inf one over no elements
     world, rank = dist.get_world_size(), dist.get_rank()
     state = torch.zeros(2 * world + 2, dtype=torch.int32)
+    parts = [world, world, 2]  # needed of each rank, held by each rank, two flags
+    needed, held, flags = torch.split(state, parts)  # views: what they take lands in ``state``
     for group in groups:
         placed = _placed(group[0])
         if _is_dtensor(placed):
             # 2 where a plain parameter's gradient is a DTensor on this mesh, else 1.
             level = 1 + any(not _is_dtensor(p) for p in group)
             ranks = placed.device_mesh.mesh.flatten()  # type: ignore[union-attr]
-            state[ranks] = state[ranks].clamp(min=level)
-            state[world + rank] = max(int(state[world + rank]), level)
-    state[-2] = has_empty(groups, norm_type)
-    state[-1] = next(
-        (i + 1 for i, p in enumerate(params) if not _is_dtensor(p) and _is_dtensor(p.grad)), 0
-    )
+            needed[ranks] = needed[ranks].clamp(min=level)
+            held[rank] = held[rank].clamp(min=level)
+    flags[0] = has_empty(groups, norm_type)
+    for i, p in enumerate(params):
+        if not _is_dtensor(p) and _is_dtensor(p.grad):
+            flags[1] = i + 1  # the first such parameter, named by its position
+            break
     if world > 1:
         from torch.distributed.distributed_c10d import _get_object_coll_device  # noqa: PLC0415
 
         state = state.to(_get_object_coll_device())
         dist.all_reduce(state, op=dist.ReduceOp.MAX)
-    values = state.tolist()
-    needed, held = values[:world], values[world : 2 * world]
-    short = [r for r in range(world) if needed[r] > held[r]]
-    mixed = [r for r in short if needed[r] == 2]
+    needed_by, held_by, (empty, first) = (part.tolist() for part in torch.split(state, parts))
+    short = [r for r in range(world) if needed_by[r] > held_by[r]]
+    mixed = [r for r in short if needed_by[r] == 2]
     if mixed:
-        raise ValueError(_MIXED.format(index=values[-1] - 1, ranks=mixed))
+        raise ValueError(_MIXED.format(index=first - 1, ranks=mixed))
     if short:
         raise ValueError(_ABSENT.format(ranks=short))
-    refuse_empty(bool(values[-2]), norm_type)
+    refuse_empty(bool(empty), norm_type)
 
 
 def has_empty(groups: list[list[torch.Tensor]], norm_type: float) -> bool:

@@ -182,7 +182,7 @@ class _ModelHead(nn.Linear, TiedLinear):
             twin.__dict__.update(copy.deepcopy(self.__dict__, memo))
             return twin
         alone: nn.Linear = torch.nn.utils.skip_init(  # type: ignore[no-untyped-call]
-            nn.Linear, self.in_features, self.out_features, False
+            nn.Linear, self.in_features, self.out_features, self.bias is not None
         )
         alone.weight = copy.deepcopy(self.weight)
         alone.train(self.training)
