@@ -19,8 +19,9 @@ GUIDES = sorted(
 )
 PUBLIC = [name for name in toolkit.nn.__all__ if name != "__version__"]
 CODE = re.compile(r"^ *```(?:python|py)\n(?P<code>.*?)^ *```", re.DOTALL | re.MULTILINE)
-# What a package imports that the page must name too: safetensors.torch imports numpy.
-ALSO_NEEDS = {"safetensors": {"numpy"}}
+# What a module imports that the page must name too: safetensors.torch imports numpy, and so
+# does torch's CommDebugMode, though torch does not depend on numpy.
+ALSO_NEEDS = {"safetensors": {"numpy"}, "torch.distributed.tensor.debug": {"numpy"}}
 
 
 def _needs(page: str) -> set[str]:
@@ -29,11 +30,12 @@ def _needs(page: str) -> set[str]:
     for match in CODE.finditer(page):
         for node in ast.walk(ast.parse(match["code"])):
             if isinstance(node, ast.Import):
-                modules |= {alias.name.split(".")[0] for alias in node.names}
+                modules |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                modules.add(node.module.split(".")[0])
-    needs = modules - set(sys.stdlib_module_names) - {"torch", "toolkit"}
-    return needs.union(*(ALSO_NEEDS.get(name, set()) for name in needs))
+                modules.add(node.module)
+    tops = {module.split(".")[0] for module in modules}
+    needs = tops - set(sys.stdlib_module_names) - {"torch", "toolkit"}
+    return needs.union(*(ALSO_NEEDS.get(name, set()) for name in needs | modules))
 
 
 @pytest.mark.parametrize("guide", GUIDES)

@@ -124,8 +124,12 @@ def agree(params: list[torch.Tensor], groups: list[list[torch.Tensor]], norm_typ
     """
     if not (dist.is_available() and dist.is_initialized()):
         return  # no DTensor can exist; torch's own norm refuses an inf one over no elements
+    from torch.distributed.distributed_c10d import _get_object_coll_device  # noqa: PLC0415
+
     world, rank = dist.get_world_size(), dist.get_rank()
-    state = torch.zeros(2 * world + 2, dtype=torch.int32)
+    # Made on the device where the default group's collectives run.
+    with torch.device(_get_object_coll_device()):
+        state = torch.zeros(2 * world + 2, dtype=torch.int32)
     parts = [world, world, 2]  # needed of each rank, held by each rank, two flags
     needed, held, flags = torch.split(state, parts)  # views: what they take lands in ``state``
     for group in groups:
@@ -142,9 +146,6 @@ def agree(params: list[torch.Tensor], groups: list[list[torch.Tensor]], norm_typ
             flags[1] = i + 1  # the first such parameter, named by its position
             break
     if world > 1:
-        from torch.distributed.distributed_c10d import _get_object_coll_device  # noqa: PLC0415
-
-        state = state.to(_get_object_coll_device())
         dist.all_reduce(state, op=dist.ReduceOp.MAX)
     needed_by, held_by, (empty, first) = (part.tolist() for part in torch.split(state, parts))
     short = [r for r in range(world) if needed_by[r] > held_by[r]]

@@ -1,16 +1,19 @@
 """What several modules of the package share.
 
-The DTensor test, a module's one-line description, and the module that computes a TiedLinear
-head's ``x @ weight.T``.
+The DTensor test, a module's one-line description, the module that computes a TiedLinear
+head's ``x @ weight.T``, and the gathering of each rank's Python object.
 
 This is the one module whose private names other modules of the package import.
 """
 
 from __future__ import annotations
 
+import pickle
 import sys
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -35,3 +38,26 @@ class _Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
+
+
+def _gather_objects(obj: object, group: dist.ProcessGroup | None) -> list[Any]:
+    """``obj`` of every rank of ``group`` (the default group if None), in group rank order.
+
+    ``dist.all_gather_object`` does this, but decodes the bytes through numpy, which torch
+    does not depend on, nor this package: on an install of torch alone it raises "Numpy is
+    not available". Here the pickled bytes travel as uint8 tensors, padded to the longest,
+    on the device torch's object collectives use for the group's backend.
+    """
+    from torch.distributed.distributed_c10d import _get_object_coll_device  # noqa: PLC0415
+
+    world = dist.get_world_size(group)
+    # Tensors made in the block are on the group's device; the bytes stay on the CPU.
+    with torch.device(_get_object_coll_device(group)):
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([len(data)]), group=group)
+        padded = torch.zeros(max(int(size) for size in sizes), dtype=torch.uint8)
+        padded[: len(data)] = data
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded, group=group)
+    return [pickle.loads(bytes(gathered[r][: int(sizes[r])].tolist())) for r in range(world)]

@@ -5,13 +5,12 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.nn._common import _is_dtensor
+from toolkit.nn._common import _gather_objects, _is_dtensor
 from toolkit.nn._module_default_dict import ModuleDefaultDict, create_from_keys, is_valid_new_key
 
 __all__ = ["create_entries", "sync_entries"]
@@ -182,8 +181,7 @@ def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> l
         )
     problem = _wrapped(module) or _aliased(module)
     local = (problem, _signatures(module, [name for name, _ in _entries(module)]))
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, local, group=group)
+    gathered = _gather_objects(local, group)
     problems = [f"rank {rank}: {found}" for rank, (found, _) in enumerate(gathered) if found]
     if problems:
         raise ValueError(f"sync_entries: {'; '.join(problems)}")
@@ -202,8 +200,7 @@ def sync_entries(module: nn.Module, group: dist.ProcessGroup | None = None) -> l
     meta = sorted(name for name, (tensor, _) in tensors.items() if tensor.is_meta)
     after = _signatures(module, [name for name, _ in _entries(module)])
     made = {name: after[name] for name in created}
-    outcomes: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(outcomes, (error and repr(error), meta, made), group=group)
+    outcomes = _gather_objects((error and repr(error), meta, made), group)
     failures = [f"rank {rank}: {found}" for rank, (found, _, _) in enumerate(outcomes) if found]
     differences = _differences(owners, expected, [made for _, _, made in outcomes])
     mixed = sorted(

@@ -22,7 +22,7 @@ from toolkit.nn._clip_grad import (
     refuse_empty,
     total_norm,
 )
-from toolkit.nn._common import _describe, _is_dtensor
+from toolkit.nn._common import _describe, _gather_objects, _is_dtensor
 from toolkit.nn._tied_linear import TiedLinear
 
 if TYPE_CHECKING:
@@ -93,13 +93,13 @@ class PipelineTie:
                 'its own pipeline, such as group=mesh["pp"]'
             )
         problem, local_names = _local_ties(modules)
-        gathered = _gather((problem, local_names), self.group)
+        gathered = _gather_objects((problem, local_names), self.group)
         for rank, (rank_problem, _) in enumerate(gathered):
             if rank_problem is not None:
                 raise ValueError(f"PipelineTie refused group rank {rank}'s stages: {rank_problem}")
         self.names = tuple(sorted({n for _, names in gathered for n in names}))
         problem, layouts = _copies_problem(modules, self.names)
-        checks = _gather((problem, layouts, _stages_key(modules)), self.group)
+        checks = _gather_objects((problem, layouts, _stages_key(modules)), self.group)
         if not self.names:
             raise ValueError(
                 "PipelineTie found no TiedLinear in the stages of any rank of the group; "
@@ -380,7 +380,7 @@ class PipelineTie:
                             copy,
                             reference,  # type: ignore[arg-type] # weights[0] or its broadcast
                         )
-            for problem in _gather(found, self.group):
+            for problem in _gather_objects(found, self.group):
                 if problem is not None:
                     raise RuntimeError(problem)
 
@@ -655,13 +655,6 @@ class _Layout(NamedTuple):
 
 # The live PipelineTie of each tied copy: a second tie would sum its gradient again.
 _TIES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _gather(obj: object, group: dist.ProcessGroup) -> list[Any]:
-    """``obj`` of every rank of ``group``, in group rank order."""
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered
 
 
 def _field(layouts: dict[str, _Layout], field: str) -> dict[str, Any]:
