@@ -259,7 +259,8 @@ def example(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def docs(session: nox.Session) -> None:
-    """Build the site with ``--strict`` and run every example of the docs and docstrings.
+    """Build the site with ``--strict``, run every example of the docs and docstrings, then
+    every guide as written in a fresh venv of torch, the package and what the guide installs.
 
     ``nox -s docs -- build`` only builds the site, into ``site/`` (seconds; the examples take
     minutes). ``nox -s docs -- serve`` serves it at http://127.0.0.1:8000 instead, rebuilding
