@@ -29,6 +29,7 @@ DIFFERENCES: dict[str, tuple[str, ...]] = {
     **{name: (name,) for name in OPTIONS},
     "reduction-none": ("reduction",),  # a gradient in forward on one rank only
     "ignore_index-smallest-int64": ("ignore_index",),  # -2**63, which negation maps to itself
+    "softcap-one": ("softcap",),  # 1.0 on one rank, None on the other (coded as 0.0)
     "dtype": ("dtype",),  # bfloat16 products under autocast on rank 1
     "x.requires_grad": ("x.requires_grad",),  # x requires grad on rank 0 only
     "weight.requires_grad": ("weight.requires_grad",),  # on rank 0 only
@@ -50,6 +51,8 @@ def call_with_one_difference(head: TiedLinear, x: Tensor, target: Tensor, case: 
         options["reduction"] = "none" if other else "sum"
     if case == "ignore_index-smallest-int64":
         options["ignore_index"] = -(2**63) if other else -100
+    if case == "softcap-one" and other:
+        options["softcap"] = 1.0
     leaf = x.clone().requires_grad_(not (other and case == "x.requires_grad"))
     weight = head.tied_module.weight
     weight.requires_grad_(not (other and case == "weight.requires_grad"))

@@ -738,3 +738,51 @@ def test_the_ranks_agree_in_one_all_reduce_of_2_world_plus_2_integers(
     run_threads(2, rank_main)
     for rank in (0, 1):
         assert [size for dtype, size in sizes[rank] if dtype == torch.int32] == [6]
+
+
+def test_plain_parameters_whose_dtensor_gradients_sit_at_other_positions_are_refused_on_each() -> (
+    None
+):
+    # Each rank of the mesh has one plain parameter with a DTensor gradient, but not the same
+    # one: the counts agree, the positions do not, and the norms would differ by rank.
+    def rank_main(rank: int) -> tuple[str, list[torch.Tensor]]:
+        mesh = init_device_mesh("cpu", (2,))
+        params = [plain_with_grad(torch.tensor([float(i + 1), 0.0])) for i in range(3)]
+        params[1 + rank].grad = distribute_tensor(torch.tensor([3.0, 4.0]), mesh, [Shard(0)])
+        with pytest.raises(ValueError, match=r"parameters\[1\].*rank\(s\) \[1\]") as info:
+            clip_grad_norm_(params, 1e-3)
+        return str(info.value), [full(p.grad) for p in params]  # type: ignore[arg-type]
+
+    results = run_threads(2, rank_main)
+    assert results[0][0] == results[1][0]
+    for rank, (_, grads) in enumerate(results):
+        for i, grad in enumerate(grads):
+            expected = torch.tensor([3.0, 4.0] if i == 1 + rank else [i + 1.0, 0.0])
+            assert torch.equal(grad, expected)  # nothing was scaled
+
+
+def test_the_refusal_names_the_first_parameter_whose_gradients_differ_in_kind() -> None:
+    # Two meshes, {0, 1} and {2, 3}. parameters[0] has a DTensor gradient on rank 0 only;
+    # parameters[3] has one on ranks 2 and 3 alike, which is fine.
+    def rank_main(rank: int) -> str:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
+        params = [plain_with_grad(torch.tensor([float(i + 1)])) for i in range(4)]
+        if rank == 0:
+            params[0].grad = DTensor.from_local(torch.tensor([5.0]), mesh, [Replicate()])
+        if rank >= 2:
+            params[3].grad = DTensor.from_local(torch.tensor([6.0]), mesh, [Replicate()])
+        with pytest.raises(ValueError, match=r"parameters\[0\]") as info:
+            clip_grad_norm_(params, 1e-3)
+        return str(info.value)
+
+    messages = run_threads(4, rank_main)
+    assert messages == [messages[0]] * 4
+    assert messages[0] == (  # the one whole-message check of this error
+        "clip_grad_norm_: parameters[0], a plain tensor, has a DTensor gradient on some ranks "
+        "but not on rank(s) [1] of that gradient's device mesh (which have a plain gradient, "
+        "None, or a DTensor of another mesh there), so the gradient is neither one DTensor nor "
+        "each rank's own. Give it one kind of gradient on every rank: a DTensor on the mesh "
+        "everywhere (DTensor.from_local(grad, mesh, placements)) or a plain tensor everywhere "
+        "(grad.full_tensor()). list(model.named_parameters())[0] names it when "
+        "model.parameters() was passed"
+    )

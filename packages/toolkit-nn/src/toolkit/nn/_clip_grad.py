@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from toolkit.nn._common import _is_dtensor
+from toolkit.nn._common import _gather_objects, _is_dtensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -109,17 +109,18 @@ def _placed(param: torch.Tensor) -> torch.Tensor | None:
 def agree(params: list[torch.Tensor], groups: list[list[torch.Tensor]], norm_type: float) -> None:
     """Refuse, on every rank, what would hang the ranks of a mesh or what torch refuses.
 
-    Under a process group, the ranks first agree in one all-reduce (MAX, none on one rank)
+    Under a process group, the ranks first agree in one all-reduce (MAX)
     over the default group, the one group that every rank knows, even a rank that holds
-    nothing on the meshes of the others: ``2 * world_size + 2`` int32. For each rank
-    ``r`` it carries the most that other ranks need of ``r`` (1: its DTensors on a mesh that
-    holds ``r``; 2: a plain parameter's DTensor gradient on such a mesh) and the most that
-    ``r`` holds, then whether some rank has a gradient without elements under an ``inf`` or
-    ``-inf`` norm, and the first position in ``params`` of a plain parameter with a DTensor
-    gradient, which names it. Every rank raises the same error from the reduced values.
+    nothing on the meshes of the others: ``2 * world_size + 2`` int32. For each rank ``r``
+    it carries whether other ranks hold DTensors on a mesh that holds ``r`` and whether ``r``
+    holds some, then whether some rank has a gradient without elements under an ``inf`` or
+    ``-inf`` norm, and whether some rank has a plain parameter with a DTensor gradient. Only
+    then do the ranks gather the positions of those parameters, which each mesh's ranks must
+    have alike (:func:`refuse_mixed`). Every rank raises the same error from what it received.
 
     Raises:
-        ValueError: If a rank holds less than the others need of it.
+        ValueError: If a rank holds none of its meshes' DTensors while other ranks of the mesh
+            hold some, or from :func:`refuse_mixed`.
         RuntimeError: From :func:`refuse_empty`, for a gradient without elements.
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -135,26 +136,49 @@ def agree(params: list[torch.Tensor], groups: list[list[torch.Tensor]], norm_typ
     for group in groups:
         placed = _placed(group[0])
         if _is_dtensor(placed):
-            # 2 where a plain parameter's gradient is a DTensor on this mesh, else 1.
-            level = 1 + any(not _is_dtensor(p) for p in group)
-            ranks = placed.device_mesh.mesh.flatten()  # type: ignore[union-attr]
-            needed[ranks] = needed[ranks].clamp(min=level)
-            held[rank] = held[rank].clamp(min=level)
+            needed[placed.device_mesh.mesh.flatten()] = 1  # type: ignore[union-attr]
+            held[rank] = 1
+    mixed = [
+        (i, tuple(p.grad.device_mesh.mesh.flatten().tolist()))  # type: ignore[union-attr]
+        for i, p in enumerate(params)
+        if not _is_dtensor(p) and _is_dtensor(p.grad)
+    ]
     flags[0] = has_empty(groups, norm_type)
-    for i, p in enumerate(params):
-        if not _is_dtensor(p) and _is_dtensor(p.grad):
-            flags[1] = i + 1  # the first such parameter, named by its position
-            break
-    if world > 1:
-        dist.all_reduce(state, op=dist.ReduceOp.MAX)
-    needed_by, held_by, (empty, first) = (part.tolist() for part in torch.split(state, parts))
+    flags[1] = len(mixed)
+    dist.all_reduce(state, op=dist.ReduceOp.MAX)
+    needed_by, held_by, (empty, any_mixed) = (part.tolist() for part in torch.split(state, parts))
+    if any_mixed:
+        refuse_mixed(mixed)
     short = [r for r in range(world) if needed_by[r] > held_by[r]]
-    mixed = [r for r in short if needed_by[r] == 2]
-    if mixed:
-        raise ValueError(_MIXED.format(index=first - 1, ranks=mixed))
     if short:
         raise ValueError(_ABSENT.format(ranks=short))
     refuse_empty(bool(empty), norm_type)
+
+
+def refuse_mixed(mine: list[tuple[int, tuple[int, ...]]]) -> None:
+    """Refuse, on every rank, a plain parameter whose gradient is a DTensor on some ranks only.
+
+    ``mine`` holds, for each plain parameter of this rank with a DTensor gradient, its
+    position in ``params`` and its gradient's mesh as the ranks it holds. Every rank of that
+    mesh must have the same at that position; one all-gather over the default group shows
+    each rank what the others have. The error names the first position where they differ.
+
+    Raises:
+        ValueError: If a rank of such a mesh has something else at such a position: a plain
+            gradient, None, a DTensor on another mesh, or a DTensor parameter.
+    """
+    held = [set(entries) for entries in _gather_objects(mine, None)]
+    missing = sorted(
+        (index, rank)
+        for entries in held
+        for index, ranks in entries
+        for rank in ranks
+        if (index, ranks) not in held[rank]
+    )
+    if missing:
+        index = missing[0][0]
+        ranks = sorted({rank for i, rank in missing if i == index})
+        raise ValueError(_MIXED.format(index=index, ranks=ranks))
 
 
 def has_empty(groups: list[list[torch.Tensor]], norm_type: float) -> bool:
@@ -307,8 +331,9 @@ def _missing(param: torch.Tensor) -> str:
 
 _MIXED = (
     "clip_grad_norm_: parameters[{index}], a plain tensor, has a DTensor gradient on some "
-    "ranks and a plain gradient or None on rank(s) {ranks}, which belong to that gradient's "
-    "device mesh, so the gradient is neither one DTensor nor each rank's own. Give it one "
+    "ranks but not on rank(s) {ranks} of that gradient's device mesh (which have a plain "
+    "gradient, None, or a DTensor of another mesh there), so the gradient is neither one "
+    "DTensor nor each rank's own. Give it one "
     "kind of gradient on every rank: a DTensor on the mesh everywhere "
     "(DTensor.from_local(grad, mesh, placements)) or a plain tensor everywhere "
     "(grad.full_tensor()). list(model.named_parameters())[{index}] names it when "

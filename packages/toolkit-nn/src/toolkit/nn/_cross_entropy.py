@@ -684,16 +684,18 @@ def _check_same_call(target: torch.Tensor, o: _Options, *, want_x: bool, want_w:
         (want_x, int(want_x)),
         (want_w, int(want_w)),
     )
-    options = [(name, *value) for name, value in zip(_CHECKED, values, strict=True)]
-    same = _agree(flat.new_tensor([1, flat.numel(), *(code for _, _, code in options)]), shard)
+    options = [(name, *values[i]) for i, name in enumerate(_CHECKED)]
+    # First True: this rank's arguments passed its own checks (a refused rank sends False).
+    same = _agree(flat.new_tensor([True, flat.numel(), *(code for _, _, code in options)]), shard)
     if not same[0]:
         raise _refused_elsewhere()
     same = same[1:]
     if same[0] and not same.all():  # a different count is said below, as different tokens
+        agreed = same[1:].tolist()
         differ = " and ".join(
             f"{name} ({shown!r} here)"
-            for (name, shown, _), agreed in zip(options, same[1:].tolist(), strict=True)
-            if not agreed
+            for i, (name, shown, _) in enumerate(options)
+            if not agreed[i]
         )
         raise ValueError(
             f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same options, "
@@ -717,7 +719,7 @@ def _join_refused(weight: torch.Tensor, shard: VocabShard | None) -> None:
     """Take part, refused, in the first all-reduce of ``_check_same_call`` of the others.
 
     A rank whose arguments were refused raises its own error; the ranks whose arguments were
-    not wait for it in the check's first all-reduce, whose first entry (0 here, 1 there)
+    not wait for it in the check's first all-reduce, whose first entry (False here, True there)
     tells them to raise too. Its size is that of every call's: the count of the options.
     """
     if shard is None or torch.compiler.is_compiling():

@@ -182,8 +182,9 @@ class _ModelHead(nn.Linear, TiedLinear):
             twin.__dict__.update(copy.deepcopy(self.__dict__, memo))
             return twin
         alone: nn.Linear = torch.nn.utils.skip_init(  # type: ignore[no-untyped-call]
-            nn.Linear, self.in_features, self.out_features, self.bias is not None
+            nn.Linear, self.in_features, self.out_features
         )
+        alone.register_parameter("bias", None)  # bias-free, as the head
         alone.weight = copy.deepcopy(self.weight)
         alone.train(self.training)
         return alone
