@@ -198,6 +198,9 @@ def test_ensure_weight_tying_on_the_heads_adapter_is_refused_at_the_first_forwar
         "adapter on 'lm_head' then trains untied, as on the stock model), or train the adapter "
         "on the stock model, without tie_output_embeddings"
     )
+    # Also where the model's forward is called without its own hooks, as PEFT's LoRA does.
+    with pytest.raises(RuntimeError, match="ensure_weight_tying"):
+        model.forward(input_ids=IDS)
     # Without an adapter on the head, the flag changes nothing, and nothing is refused.
     model = llama()
     tie_output_embeddings(model)
