@@ -288,12 +288,17 @@ def test_two_pipelines_on_their_own_groups_do_not_mix(
         calls[rank].clear()
         tie.check()
         assert sorted(calls[rank]) == ["all_gather"] * 2 + ["broadcast"]
+        if p == 1:
+            tie.check()  # a problem of the other pipeline's is not this one's
+            return ""
         stage.emb.weight.data[0, 0] += s  # the last stage's copy differs: both ranks raise
         with pytest.raises(RuntimeError, match="copies of the tied weight") as info:
             tie.check()
         return str(info.value)
 
-    for message in run_threads(4, rank_main):
+    messages = run_threads(4, rank_main)
+    assert messages[2:] == ["", ""]
+    for message in messages[:2]:
         assert "copy 0 on group rank 1" in message
         assert "index (0, 0)" in message
 
