@@ -721,3 +721,41 @@ def test_a_rank_without_a_copy_keeps_its_buffers_on_the_models_device_under_a_me
     for weight, grad in (r for r in results if r is not None):
         torch.testing.assert_close(weight, expected)
         torch.testing.assert_close(grad, torch.full_like(expected, 2.0))
+
+
+def test_replicas_after_a_rank_without_a_copy_are_refused_on_every_rank() -> None:
+    # A copy-less middle stage on group rank 0, then the last stage twice: group= forgotten.
+    _first, middle, last = stages_of(0, 3)
+    stages = [middle, last, last]
+
+    def rank_main(rank: int) -> str:
+        with pytest.raises(ValueError, match=r"^PipelineTie") as info:
+            PipelineTie(copy.deepcopy(stages[rank]))
+        return str(info.value)
+
+    messages = run_threads(3, rank_main)
+    assert messages == [messages[0]] * 3
+    assert "group ranks 1 and 2" in messages[0]
+
+
+def test_tied_modules_nested_in_the_stages_are_summed_as_one_weight() -> None:
+    # The embedding at "trunk.emb" on both stages, as a model keeps it inside a decoder.
+    stages = stages_of(0, 2)
+    for stage in stages:
+        stage.trunk = nn.Module()
+        stage.trunk.emb = stage.emb
+        del stage.emb
+    stages[1].out.head = TiedLinear(stages[1].trunk.emb)
+    torch.manual_seed(4)
+    grads = [torch.randn(17, 8), torch.randn(17, 8)]
+
+    def rank_main(rank: int) -> tuple[tuple[str, ...], torch.Tensor]:
+        stage = copy.deepcopy(stages[rank])
+        tie = PipelineTie(stage)
+        stage.trunk.emb.weight.grad = grads[rank].clone()
+        tie.reduce_grads()
+        return tie.names, stage.trunk.emb.weight.grad
+
+    for names, grad in run_threads(2, rank_main):
+        assert names == ("trunk.emb",)
+        assert torch.equal(grad, grads[0] + grads[1])
