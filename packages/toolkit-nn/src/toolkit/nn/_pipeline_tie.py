@@ -296,13 +296,13 @@ class PipelineTie:
             if name in self._shared:
                 sums[name] = parts[self._shared.index(name)].view(layout.local_shape)
             else:
-                sums[name] = torch.zeros(layout.local_shape, dtype=self._dtype, device=self._device)
+                sums[name] = flat.new_zeros(layout.local_shape)
             present[name] = any(p.grad is not None for p in holders[name])
             for param in holders[name]:
                 if param.grad is None:
                     continue
                 grad = _local(param.grad)
-                changed |= grad.shape != layout.local_shape
+                changed = changed or grad.shape != layout.local_shape
                 # A copy still holding the sum written last adds nothing: the first holds it.
                 if grad.shape == layout.local_shape and not self._holds_sum(param):
                     sums[name].add_(grad)
@@ -310,16 +310,15 @@ class PipelineTie:
         problems.copy_(problems.new_tensor([float(self._late_backward), float(changed)]))
         if self._shared:
             dist.all_reduce(flat, group=self.group)
-        present.update(
-            (name, count > 0) for name, count in zip(self._shared, counts.tolist(), strict=True)
-        )
+        counted = counts.tolist()
+        present.update((name, counted[i] > 0) for i, name in enumerate(self._shared))
         return sums, present, problems
 
     def _give(self, name: str, params: list[nn.Parameter], total: torch.Tensor) -> None:
         """Write ``total`` into the gradient of each of ``name``'s copies ``params``."""
         for index, param in enumerate(params):
             if param.grad is None:
-                param.grad = _like(param, total.to(_local(param).dtype, copy=True))
+                param.grad = _like(param, total.clone())  # the copies' one dtype, the sum's
             else:
                 _local(param.grad).copy_(total)
             self._see(param)
@@ -451,7 +450,7 @@ def pipeline_clip_grad_norm_(
     # An inf or -inf norm over a gradient without elements is refused, as torch refuses it,
     # on every rank: a stage's data-parallel replicas hold the same parameters, and skip alike.
     empty = has_empty(counted, norm_type)
-    local = torch.tensor(0.0) if empty else total_norm(counted, norm_type, foreach)
+    local = torch.zeros(()) if empty else total_norm(counted, norm_type, foreach)
     # float64 on every rank, whatever each rank's gradients are: the ranks must agree on it.
     total = local.to(torch.float64)
     if dist.get_world_size(pipeline) == 1:
@@ -462,7 +461,7 @@ def pipeline_clip_grad_norm_(
         # gradients takes no part, and no gradient anywhere gives 0, as in torch. gloo's MAX
         # may drop a nan: whether any rank's norm is nan rides beside it.
         signed = total.copysign(norm_type) if has_grads else total.new_tensor(-math.inf)
-        flags = torch.tensor([float(has_grads), float(empty)], dtype=torch.float64)
+        flags = total.new_tensor([float(has_grads), float(empty)])
         both = torch.cat([torch.stack([signed, total.isnan()]), flags])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pipeline)
         refuse_empty(bool(both[3] > 0), norm_type)
