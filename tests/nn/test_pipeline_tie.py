@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     ScheduleInterleaved1F1B,
@@ -492,3 +493,20 @@ def test_foreach_true_is_refused_as_by_torch_for_a_duplicate_copy_left_out_of_th
     with pytest.raises(RuntimeError, match="foreach=True was passed") as ours:
         pipeline_clip_grad_norm_(duplicate, 1.0, foreach=True, tie=tie)
     assert str(ours.value) == str(theirs.value)
+
+
+def test_fsdp2_stages_run_on_after_their_tie_is_deleted(one_rank: DeviceMesh) -> None:
+    # The tie's hook stays on the FSDP2 modules that hold copies; once the tie is gone, their
+    # forwards (an evaluation, a tie built again) run as without it.
+    first, last = stages_of(0, 2)
+    for stage in (first, last):
+        fully_shard(stage, mesh=one_rank)
+    tie = PipelineTie([first, last])
+    two_stage_loss(first, last).backward()
+    tie.reduce_grads()
+    del tie
+    gc.collect()
+    with torch.no_grad():
+        assert two_stage_loss(first, last).isfinite()
+    again = PipelineTie([first, last])
+    assert again.names == ("emb",)
