@@ -496,14 +496,18 @@ def test_foreach_true_is_refused_as_by_torch_for_a_duplicate_copy_left_out_of_th
 
 
 def test_fsdp2_stages_run_on_after_their_tie_is_deleted(one_rank: DeviceMesh) -> None:
-    # The tie's hook stays on the FSDP2 modules that hold copies; once the tie is gone, their
-    # forwards (an evaluation, a tie built again) run as without it.
+    # The tie's hook stays on the FSDP2 modules that hold copies, added once; once the tie is
+    # gone, their forwards (an evaluation, a tie built again) run as without it.
     first, last = stages_of(0, 2)
     for stage in (first, last):
         fully_shard(stage, mesh=one_rank)
     tie = PipelineTie([first, last])
-    two_stage_loss(first, last).backward()
-    tie.reduce_grads()
+    hooks = []
+    for _ in range(3):  # the tie's hooks are added once, not at each step
+        two_stage_loss(first, last).backward()
+        tie.reduce_grads()
+        hooks.append([len(stage._forward_pre_hooks) for stage in (first, last)])
+    assert hooks[0] == hooks[1] == hooks[2]
     del tie
     gc.collect()
     with torch.no_grad():
