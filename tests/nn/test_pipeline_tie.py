@@ -514,3 +514,17 @@ def test_fsdp2_stages_run_on_after_their_tie_is_deleted(one_rank: DeviceMesh) ->
         assert two_stage_loss(first, last).isfinite()
     again = PipelineTie([first, last])
     assert again.names == ("emb",)
+
+
+def test_a_copy_whose_shape_changed_is_refused_beside_copies_that_did_not() -> None:
+    # Two tied weights; only the first in name order, aux_emb, was replaced after the tie.
+    first, last = stages_of(0, 2)
+    last.aux_emb = nn.Embedding(5, 8)
+    last.aux = TiedLinear(last.aux_emb)
+    tie = PipelineTie([first, last])
+    assert tie.names == ("aux_emb", "emb")
+    last.aux_emb.weight = nn.Parameter(torch.zeros(3, 8))
+    last.aux_emb.weight.grad = torch.ones(3, 8)
+    two_stage_loss(first, last).backward()
+    with pytest.raises(ValueError, match="local shape is not the one it had"):
+        tie.reduce_grads()
