@@ -136,8 +136,8 @@ def agree(params: list[torch.Tensor], groups: list[list[torch.Tensor]], norm_typ
     for group in groups:
         placed = _placed(group[0])
         if _is_dtensor(placed):
-            needed[placed.device_mesh.mesh.flatten()] = 1  # type: ignore[union-attr]
-            held[rank] = 1
+            needed[placed.device_mesh.mesh.flatten()] = True  # type: ignore[union-attr]
+            held[rank] = True
     mixed = [
         (i, tuple(p.grad.device_mesh.mesh.flatten().tolist()))  # type: ignore[union-attr]
         for i, p in enumerate(params)
