@@ -259,9 +259,10 @@ def example(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def docs(session: nox.Session) -> None:
-    """Build the site with ``--strict``, run every example of the docs and docstrings, then
-    every guide as written in a fresh venv of torch, the package and what the guide installs.
+    """Build the site with ``--strict``, then run the docs' examples and the guides as written.
 
+    Every example of the docs and docstrings runs in the torch venv; then every guide runs
+    again in a fresh venv of torch, the package and what the guide says to install.
     ``nox -s docs -- build`` only builds the site, into ``site/`` (seconds; the examples take
     minutes). ``nox -s docs -- serve`` serves it at http://127.0.0.1:8000 instead, rebuilding
     on every change to ``docs/`` or to a package's sources. Other arguments go to pytest.
