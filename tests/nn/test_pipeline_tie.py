@@ -528,3 +528,26 @@ def test_a_copy_whose_shape_changed_is_refused_beside_copies_that_did_not() -> N
     two_stage_loss(first, last).backward()
     with pytest.raises(ValueError, match="local shape is not the one it had"):
         tie.reduce_grads()
+
+
+def test_fsdp2_stages_nested_in_a_model_kept_unsharded_after_backward_sum_once(
+    one_rank: DeviceMesh,
+) -> None:
+    # Each stage sits at "inner" of a module of its own, FSDP2 on the stage and not on the
+    # outer module: the tie finds the FSDP2 module that holds "inner.emb" on its path.
+    first, last = stages_of(0, 2)
+    outers = []
+    for stage in (first, last):
+        fully_shard(stage, mesh=one_rank)
+        stage.set_reshard_after_backward(False)
+        outers.append(nn.Module())
+        outers[-1].inner = stage
+    tie = PipelineTie(outers)
+    assert tie.names == ("inner.emb",)
+    two_stage_loss(first, last).backward()
+    tie.reduce_grads()
+    whole = whole_model(initial_state())
+    whole(torch.tensor([[1, 2, 3]])).square().sum().backward()
+    for stage in (first, last):
+        grad = stage.emb.weight.grad
+        torch.testing.assert_close(grad.full_tensor(), whole.emb.weight.grad)  # type: ignore[union-attr]
