@@ -807,19 +807,30 @@ def fsdp2_training(
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """One rank's run: each decoder layer a unit, and the embedding (vocabulary 17, split 9
     and 8), kept unsharded after its forward; the loss is transformers' own from the logits,
-    or ``head.cross_entropy`` in a method registered with ``register_fsdp_forward_method``."""
+    or ``head.cross_entropy`` in a method registered with ``register_fsdp_forward_method``.
+    With ``lean``, the model's forward takes the head's chunked loss (``chunked_loss=True``),
+    and the embedding and the head are one unit, resharded after the forward: the loss's
+    backward finds the weight unsharded again only if the head's output carries it."""
     rank = dist.get_rank()
-    head = tie_output_embeddings(model)
+    head = tie_output_embeddings(model, chunked_loss=loss_path == "lean")
     for layer in model.model.layers:
         fully_shard(layer)
-    fully_shard(model.model.embed_tokens, reshard_after_forward=False)
+    if loss_path == "lean":
+        fully_shard([model.model.embed_tokens, model.lm_head], reshard_after_forward=True)
+    else:
+        fully_shard(model.model.embed_tokens, reshard_after_forward=False)
     fully_shard(model)
     register_fsdp_forward_method(model, "chunked_loss")
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, states = [], []
     for ids in STEPS:
         rows = ids[2 * rank : 2 * rank + 2]
-        loss = model(rows, labels=rows).loss if loss_path == "logits" else model.chunked_loss(rows)
+        if loss_path == "chunked_loss":
+            loss = model.chunked_loss(rows)
+        else:
+            output = model(rows, labels=rows)
+            assert (output.logits is None) == (loss_path == "lean")
+            loss = output.loss
         loss.backward()  # FSDP2 averages the gradients over the ranks
         opt.step()
         opt.zero_grad()
@@ -837,7 +848,7 @@ def stock_llama() -> ChunkedLossLlama:
     return ChunkedLossLlama(llama(vocab_size=17).config)
 
 
-LOSS_PATHS = ("logits", "chunked_loss")
+LOSS_PATHS = ("logits", "chunked_loss", "lean")
 Result = tuple[list[float], list[dict[str, torch.Tensor]]]
 
 

@@ -53,21 +53,25 @@ def prepare(model: torch.nn.Module) -> torch.nn.Module:
 Result = tuple[list[float], list[dict[str, torch.Tensor]], list[str]]
 
 
-def train(tied: bool) -> Result:
-    """One rank's run of the stock tied model, or of it tied by tie_output_embeddings."""
+def train(variant: str) -> Result:
+    """One rank's run of the stock tied model, or of it tied by tie_output_embeddings, with
+    the chunked loss in its forward (``"lean"``) or without."""
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
 
     rank = dist.get_rank()
     model = llama()
+    tied = variant != "stock"
     if tied:
-        head = tie_output_embeddings(model)
+        head = tie_output_embeddings(model, chunked_loss=variant == "lean")
     model = prepare(model)
     units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, states = [], []
     for ids in STEPS:
         rows = ids[2 * rank : 2 * rank + 2]
-        loss = model(rows, labels=rows).loss
+        output = model(rows, labels=rows)
+        assert (output.logits is None) == (variant == "lean")
+        loss = output.loss
         loss.backward()  # FSDP2 averages the gradients over the ranks
         opt.step()
         opt.zero_grad()
@@ -82,25 +86,29 @@ def train(tied: bool) -> Result:
     return losses, states, units
 
 
-def both_in_a_process() -> dict[bool, Result]:
+VARIANTS = ("stock", "tied", "lean")
+
+
+def all_in_a_process() -> dict[str, Result]:
     with process_group():
-        return {tied: train(tied) for tied in (False, True)}
+        return {variant: train(variant) for variant in VARIANTS}
 
 
 def test_fsdp2_prepare_model_trains_the_tied_model_as_the_stock_model_distributed() -> None:
     stock = llama()
     initial = {k: v.clone() for k, v in stock.state_dict().items() if k != "lm_head.weight"}
-    per_rank = run_processes(2, both_in_a_process, timeout=300)
+    per_rank = run_processes(2, all_in_a_process, timeout=300)
     for result in per_rank:
-        expected_losses, expected_states, expected_units = result[False]
-        losses, states, units = result[True]
-        # The same units: the layers, the tail (norm, embedding, head) and the root.
-        assert units == expected_units
-        assert "lm_head" in units
-        torch.testing.assert_close(losses, expected_losses, rtol=1e-6, atol=1e-6)
-        for actual, expected in zip(states, expected_states, strict=True):
-            assert list(actual) == list(expected) == list(initial)
-            torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+        expected_losses, expected_states, expected_units = result["stock"]
+        for variant, close in (("tied", 1e-6), ("lean", 1e-5)):  # the lean loss: chunked sums
+            losses, states, units = result[variant]
+            # The same units: the layers, the tail (norm, embedding, head) and the root.
+            assert units == expected_units
+            assert "lm_head" in units
+            torch.testing.assert_close(losses, expected_losses, rtol=close, atol=close)
+            for actual, expected in zip(states, expected_states, strict=True):
+                assert list(actual) == list(expected) == list(initial)
+                torch.testing.assert_close(actual, expected, rtol=close, atol=close)
     # As the stock tied model trains in one process on the whole batches.
     opt = torch.optim.SGD(stock.parameters(), lr=0.5)
     for ids, loss in zip(STEPS, expected_losses, strict=True):

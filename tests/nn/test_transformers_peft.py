@@ -230,3 +230,35 @@ def test_the_refusals_hold_where_the_causal_lm_calls_a_nested_decoder(on: str) -
     peft_model = adapted(model, config)
     with pytest.raises(RuntimeError, match="without tie_output_embeddings"):
         peft_model(input_ids=IDS, labels=IDS)
+
+
+def test_lora_on_the_attention_trains_with_the_chunked_loss_as_on_the_stock_model() -> None:
+    """PEFT's model calls the base model's forward, which takes the tied head's loss."""
+
+    def config() -> object:
+        return peft.LoraConfig(target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+
+    stock = llama()
+    model = copy.deepcopy(stock)
+    head = tie_output_embeddings(model, chunked_loss=True)
+    widths: list[int] = []
+    head.register_forward_hook(lambda module, args, out: widths.append(out.shape[-1]))
+    stock_losses, stock_logits = train(adapted(stock, config()))
+    losses, logits = train(adapted(model, config()))
+    assert widths == [1, 1, 1, VOCAB]  # three losses, then the logits without labels
+    assert losses == pytest.approx(stock_losses, rel=0, abs=1e-5)
+    torch.testing.assert_close(logits, stock_logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(ON_THE_HEAD))
+def test_an_adapter_on_the_head_is_refused_by_the_chunked_loss_naming_the_head(
+    name: str,
+) -> None:
+    """The adapter computes logits of its own, which the tied head's loss would skip."""
+    model = llama()
+    tie_output_embeddings(model, chunked_loss=True)
+    peft_model = adapted(model, ON_THE_HEAD[name]())
+    with pytest.raises(RuntimeError, match="'lm_head'") as error:
+        peft_model(input_ids=IDS, labels=IDS)
+    assert "chunked_loss=False" in str(error.value)
+    assert peft_model(input_ids=IDS).logits.shape == (2, 7, VOCAB)  # without labels

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Self
 
 import torch
 from torch import nn
 
+from toolkit.nn._causal_lm_loss import LossRequest, set_chunked_loss
 from toolkit.nn._common import _Linear
 from toolkit.nn._tied_linear import TiedLinear
 
 __all__ = ["tie_output_embeddings"]
 
 
-def tie_output_embeddings(model: nn.Module) -> TiedLinear:
+def tie_output_embeddings(model: nn.Module, *, chunked_loss: bool = False) -> TiedLinear:
     """Make a transformers model's output embeddings a TiedLinear on its input embeddings.
 
     The LM head that ``model.get_output_embeddings()`` returns is replaced, under the same
@@ -31,6 +33,12 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
 
     Args:
         model: A transformers ``PreTrainedModel`` whose config ties the word embeddings.
+        chunked_loss: Whether ``model(..., labels=...)`` takes its loss from the head's
+            ``cross_entropy``, a chunk of tokens at a time, and returns no logits: the loss
+            and gradients of transformers' causal LM loss (the shift, ``ignore_index``,
+            ``num_items_in_batch``, ``final_logit_softcapping``) without the full logits.
+            Without labels the forward gives the logits. A later call switches it.
+            Added in version v3.59.0.
 
     Returns:
         The new head, also ``model.get_output_embeddings()``. A head that already is a
@@ -39,10 +47,14 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
     Raises:
         TypeError: If ``model`` is not a transformers model with input and output embeddings.
         ValueError: If ``config.tie_word_embeddings`` is False, the model has no output
-            embeddings, or its head is not the bias-free, tied Linear a tied model holds.
-            Nothing is changed.
+            embeddings, or its head is not the bias-free, tied Linear a tied model holds;
+            with ``chunked_loss``, if the model's loss is not ``ForCausalLMLoss``. Nothing
+            is changed.
         RuntimeError: If the input embeddings wrap the embedding that holds the weight (a
             PEFT adapter), whose lookup the head would not follow; so does a later call.
+            With ``chunked_loss``, a forward with labels raises if an adapter replaced the
+            head or the model changes the logits before its loss other than by its
+            ``final_logit_softcapping``.
 
     Added in version v3.59.0.
 
@@ -81,6 +93,8 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
         )
     if isinstance(output, TiedLinear):
         if output.tied_module is embedding:
+            path = next(name for name, module in model.named_modules() if module is output)
+            set_chunked_loss(model, path, chunked_loss)
             return output
         raise ValueError(f"{kind}'s head already is {output!r}, not tied to the input embeddings")
     if _wraps_an_embedding(embedding):
@@ -98,6 +112,7 @@ def tie_output_embeddings(model: nn.Module) -> TiedLinear:
     modules = dict(model.named_modules())
     path = next(name for name, module in modules.items() if module is output)
     source = next(name for name, module in modules.items() if module is embedding)
+    set_chunked_loss(model, path, chunked_loss)  # first: it may refuse the model
     # transformers' tie_weights() ties the head to the input embeddings of the moment, a
     # new one after set_input_embeddings(): the model's own does the same for this head.
     tie_weights = functools.partial(_tie_weights, model, path, hf.tie_weights)
@@ -136,6 +151,7 @@ class _ModelHead(nn.Linear, TiedLinear):
 
     _owner: nn.Module  # the module that holds the embedding as ``_name``
     _name: str
+    _request: LossRequest | None = None  # set for one call by the model's forward
 
     def __init__(self, tied_module: nn.Module, owner: nn.Module, name: str) -> None:
         nn.Module.__init__(self)  # nn.Linear's would make a weight of its own
@@ -145,7 +161,20 @@ class _ModelHead(nn.Linear, TiedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_lookup()
-        return TiedLinear.__call__(self, x)
+        request = self._request
+        if request is None:
+            return TiedLinear.__call__(self, x)
+        self._request = None  # the first call answers; a second one gives logits
+        return request.answer(self, x)
+
+    @contextlib.contextmanager
+    def loss_requested(self, request: LossRequest) -> Iterator[None]:
+        """Within the block, the head's next call answers ``request`` instead of the logits."""
+        self._request = request
+        try:
+            yield
+        finally:
+            self._request = None
 
     def cross_entropy(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # noqa: ANN401 - passed on
         self._check_lookup()

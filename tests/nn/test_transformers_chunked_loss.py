@@ -1,0 +1,287 @@
+"""``tie_output_embeddings(model, chunked_loss=True)``: the model's own ``forward(labels=...)``
+takes the tied head's chunked loss, against the stock tied model's loss of the logits.
+
+The reference is written in each test: the stock tied model, built with the same seed, and
+``model(ids, labels=labels)``, which computes the logits and transformers' ``ForCausalLMLoss``
+of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import CohereConfig, CohereForCausalLM, PreTrainedModel
+
+from tests.nn.hf_models import VOCAB, gemma2, gpt2, llama, qwen2
+from toolkit.nn import TiedLinear, tie_output_embeddings
+
+ARCHITECTURES: dict[str, Callable[..., PreTrainedModel]] = {
+    "llama": llama,
+    "gpt2": gpt2,
+    "qwen2": qwen2,
+    "gemma2": gemma2,  # soft-caps its logits: final_logit_softcapping=30.0
+}
+
+
+@pytest.fixture(params=list(ARCHITECTURES))
+def build(request: pytest.FixtureRequest) -> Callable[..., PreTrainedModel]:
+    return ARCHITECTURES[request.param]
+
+
+def stock_and_lean(
+    build: Callable[..., PreTrainedModel],
+) -> tuple[PreTrainedModel, PreTrainedModel, TiedLinear]:
+    """The stock tied model, and a copy tied with ``chunked_loss=True``."""
+    torch.manual_seed(0)
+    stock = build()
+    model = copy.deepcopy(stock)
+    return stock, model, tie_output_embeddings(model, chunked_loss=True)
+
+
+def batch(rows: int = 2, length: int = 9, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens, and labels that ignore a prompt of 3 tokens in the first row."""
+    ids = torch.randint(0, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def gradients(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_gradients(model: PreTrainedModel, stock: PreTrainedModel) -> None:
+    actual, expected = gradients(model), gradients(stock)
+    assert list(actual) == [k for k in expected if k != "lm_head.weight"]
+    torch.testing.assert_close(actual, {k: expected[k] for k in actual}, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "loss_kwargs",
+    [{}, {"num_items_in_batch": torch.tensor(5)}, {"num_items_in_batch": 7}],
+    ids=["mean", "num_items_tensor", "num_items_int"],
+)
+def test_the_loss_and_gradients_are_the_stock_models_and_no_logits_are_returned(
+    build: Callable, loss_kwargs: dict[str, object]
+) -> None:
+    stock, model, _ = stock_and_lean(build)
+    ids, labels = batch()
+    expected = stock(ids, labels=labels, **loss_kwargs)
+    actual = model(ids, labels=labels, **loss_kwargs)
+    assert type(actual) is type(expected)
+    assert actual.logits is None
+    assert "logits" not in actual
+    assert actual.loss.dtype == expected.loss.dtype == torch.float32
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    assert_same_gradients(model, stock)
+
+
+def test_without_labels_the_forward_and_generate_are_the_stock_models(build: Callable) -> None:
+    stock, model, _ = stock_and_lean(build)
+    ids, _ = batch()
+    torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=0)
+    options = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    mask = torch.ones_like(ids)
+    assert torch.equal(
+        model.generate(ids, attention_mask=mask, **options),
+        stock.generate(ids, attention_mask=mask, **options),
+    )
+
+
+def test_labels_given_by_position_shift_labels_and_ignore_index_are_the_stock_models() -> None:
+    stock, model, _ = stock_and_lean(llama)
+    ids, labels = batch()
+    # labels is the forward's sixth parameter (input_ids, attention_mask, position_ids,
+    # past_key_values, inputs_embeds, labels).
+    expected = stock(ids, None, None, None, None, labels)
+    actual = model(ids, None, None, None, None, labels)
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-5)
+    shifted = torch.roll(labels, -1, dims=1)  # given already shifted: no shift inside
+    expected = stock(ids, labels=labels, shift_labels=shifted)
+    actual = model(ids, labels=labels, shift_labels=shifted)
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-5)
+    marked = labels.masked_fill(labels == -100, 7)  # token 7 ignored instead of -100
+    expected = stock(ids, labels=marked, ignore_index=7)
+    actual = model(ids, labels=marked, ignore_index=7)
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-5)
+
+
+def test_return_dict_false_gives_the_stock_tuple_without_the_logits(build: Callable) -> None:
+    stock, model, _ = stock_and_lean(build)
+    ids, labels = batch()
+    expected = stock(ids, labels=labels, return_dict=False)
+    actual = model(ids, labels=labels, return_dict=False)
+    assert type(actual) is tuple
+    assert len(actual) == len(expected) - 1  # the logits, left out
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_accumulation_with_num_items_in_batch_as_the_trainer_passes_it() -> None:
+    stock, model, _ = stock_and_lean(llama)
+    micro = [batch(seed=seed) for seed in (1, 2)]
+    num_items = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro)
+    for ids, labels in micro:
+        stock(ids, labels=labels, num_items_in_batch=num_items).loss.backward()
+        model(ids, labels=labels, num_items_in_batch=num_items).loss.backward()
+    assert_same_gradients(model, stock)
+
+
+def test_bfloat16_weights_and_autocast_give_the_stock_loss_to_its_precision() -> None:
+    stock, model, _ = stock_and_lean(gemma2)
+    ids, labels = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, actual = stock(ids, labels=labels).loss, model(ids, labels=labels).loss
+    torch.testing.assert_close(actual, expected, rtol=2e-2, atol=2e-2)
+    stock, model = stock.to(torch.bfloat16), model.to(torch.bfloat16)
+    expected, actual = stock(ids, labels=labels).loss, model(ids, labels=labels).loss
+    assert actual.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(actual, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_the_trainer_runs_it_unchanged_with_gradient_accumulation(tmp_path: Path) -> None:
+    from transformers import Trainer, TrainingArguments  # noqa: PLC0415
+
+    rows = [batch(rows=1, seed=seed) for seed in range(8)]
+    data = [{"input_ids": ids[0], "labels": labels[0]} for ids, labels in rows]
+
+    widths: list[int] = []  # the last dimension of what the head returned, call by call
+
+    def train(chunked_loss: bool | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = llama()
+        if chunked_loss is not None:
+            tie_output_embeddings(model, chunked_loss=chunked_loss)
+            model.lm_head.register_forward_hook(lambda m, a, out: widths.append(out.shape[-1]))
+        args = TrainingArguments(
+            output_dir=str(tmp_path / str(chunked_loss)),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=2,
+            learning_rate=1e-2,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            seed=0,
+            dataloader_drop_last=True,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        return losses, state
+
+    expected_losses, expected_state = train(None)
+    losses, state = train(True)
+    assert widths == [1] * 4  # 2 steps of 2 micro-batches: the loss, never the logits
+    assert len(losses) == 2
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=1e-5)
+    # AdamW's first steps move each weight by about the learning rate, whatever the size
+    # of its gradient: a tiny gradient's rounding shows at the learning rate's scale.
+    torch.testing.assert_close(state, expected_state, rtol=1e-4, atol=1e-5)
+
+
+def test_the_forwards_signature_is_the_models_for_the_trainers_checks(build: Callable) -> None:
+    stock, model, _ = stock_and_lean(build)
+    assert inspect.signature(model.forward) == inspect.signature(stock.forward)
+
+
+def test_a_second_call_switches_the_chunked_loss_off_and_on() -> None:
+    stock, model, head = stock_and_lean(llama)
+    ids, labels = batch()
+    assert tie_output_embeddings(model, chunked_loss=False) is head
+    torch.testing.assert_close(model(ids, labels=labels).logits, stock(ids).logits)
+    assert tie_output_embeddings(model, chunked_loss=True) is head
+    assert model(ids, labels=labels).logits is None
+    plain = copy.deepcopy(stock)
+    tie_output_embeddings(plain)  # tied without it, then switched on
+    tie_output_embeddings(plain, chunked_loss=True)
+    assert plain(ids, labels=labels).logits is None
+
+
+def test_a_copy_or_a_pickle_of_the_model_computes_the_loss_in_its_own_head() -> None:
+    stock, model, _ = stock_and_lean(llama)
+    ids, labels = batch()
+    expected = stock(ids, labels=labels).loss
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(2.0)  # the original changes, not the twin
+        actual = twin(ids, labels=labels)
+        assert actual.logits is None
+        torch.testing.assert_close(actual.loss, expected, rtol=1e-5, atol=1e-5)
+        twin.zero_grad()
+        actual.loss.backward()
+        assert twin.get_input_embeddings().weight.grad is not None
+        assert model.get_input_embeddings().weight.grad is None
+
+
+def cohere() -> CohereForCausalLM:
+    config = CohereConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        logit_scale=0.25,
+    )
+    return CohereForCausalLM(config)
+
+
+def test_a_model_that_scales_its_logits_before_the_loss_is_refused_at_the_forward() -> None:
+    torch.manual_seed(0)
+    model = cohere()  # multiplies the logits by config.logit_scale before its loss
+    head = tie_output_embeddings(model, chunked_loss=True)
+    ids, labels = batch()
+    with pytest.raises(RuntimeError, match="chunked_loss=False"):
+        model(ids, labels=labels)
+    assert head._request is None  # the next call computes logits again
+    assert tie_output_embeddings(model, chunked_loss=False) is head
+    assert model(ids, labels=labels).logits.shape == (2, 9, VOCAB)
+
+
+def test_a_model_with_another_loss_is_refused_at_the_tie_and_left_alone() -> None:
+    torch.manual_seed(0)
+    model = llama()
+    model.loss_type = "ForMaskedLM"  # transformers' masked LM loss: no shift
+    with pytest.raises(ValueError, match="ForCausalLMLoss") as error:
+        tie_output_embeddings(model, chunked_loss=True)
+    assert "ForMaskedLMLoss" in str(error.value)
+    assert type(model.lm_head) is torch.nn.Linear
+    assert "forward" not in vars(model)
+
+
+def test_a_loss_function_set_after_the_tie_is_refused_at_the_forward() -> None:
+    _, model, _ = stock_and_lean(llama)
+    ids, labels = batch()
+    model.loss_type = "ForMaskedLM"
+    with pytest.raises(ValueError, match="ForCausalLMLoss"):
+        model(ids, labels=labels)
+    assert model(ids).logits.shape == (2, 9, VOCAB)  # without labels, as before
+
+
+def test_a_head_replaced_by_another_module_is_refused_with_labels() -> None:
+    _, model, _ = stock_and_lean(llama)
+    ids, labels = batch()
+
+    class Adapter(torch.nn.Module):  # what an adapter library puts in the head's place
+        def __init__(self, base: torch.nn.Module) -> None:
+            super().__init__()
+            self.base_layer = base
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base_layer(x) + 1.0  # type: ignore[no-any-return]
+
+    model.lm_head = Adapter(model.lm_head)
+    with pytest.raises(RuntimeError, match="'lm_head'"):
+        model(ids, labels=labels)
+    assert model(ids).logits.shape == (2, 9, VOCAB)
