@@ -40,6 +40,7 @@ SUBJECTS: dict[str, str] = {
     "tensor-parallel": "tensor_parallel",
     "pipeline": "pipeline",
     "cross-entropy": "cross_entropy",
+    "causal-lm-loss": "causal_lm_loss",
 }
 # Sections run at --threads torch threads; every other one starts at --small-threads.
 MANY_THREADS = frozenset({"lm-head"})
