@@ -25,36 +25,27 @@ def tie_output_embeddings(model: nn.Module, *, chunked_loss: bool = False) -> Ti
     The LM head that ``model.get_output_embeddings()`` returns is replaced, under the same
     attribute, by a TiedLinear on ``model.get_input_embeddings()``: an ``nn.Linear`` that owns
     no parameter, so the state dict holds the weight once, and what finds the head by name
-    (PEFT, accelerate's FSDP2, hooks) finds it. ``post_init()``, ``tie_weights()`` (which ties
-    a head set by ``set_output_embeddings()``), the forward, ``generate()``,
-    ``save_pretrained()``, ``resize_token_embeddings()`` and FSDP2 work as on the stock tied
-    model; the parallel plans drop the head. Call it after ``from_pretrained`` returns. The
-    [Hugging Face transformers guide][hugging-face-transformers] shows each.
+    (PEFT, accelerate's FSDP2, hooks) finds it. The model works as the stock tied model. Call
+    it after ``from_pretrained`` returns; see the [transformers guide][hugging-face-transformers].
 
     Args:
         model: A transformers ``PreTrainedModel`` whose config ties the word embeddings.
-        chunked_loss: Whether ``model(..., labels=...)`` takes its loss from the head's
-            ``cross_entropy``, a chunk of tokens at a time, and returns no logits: the loss
-            and gradients of transformers' causal LM loss (the shift, ``ignore_index``,
-            ``num_items_in_batch``, ``final_logit_softcapping``) without the full logits.
-            Without labels the forward gives the logits. A later call switches it.
-            Added in version v3.59.0.
+        chunked_loss: Whether ``model(..., labels=...)`` takes transformers' causal LM loss
+            from the head's ``cross_entropy`` and returns no logits; without labels the
+            forward gives them. A later call switches it. Added in version v3.59.0.
 
     Returns:
-        The new head, also ``model.get_output_embeddings()``. A head that already is a
-        TiedLinear on the input embeddings is returned unchanged.
+        The head, also ``model.get_output_embeddings()``; an existing tied one is kept.
 
     Raises:
         TypeError: If ``model`` is not a transformers model with input and output embeddings.
-        ValueError: If ``config.tie_word_embeddings`` is False, the model has no output
-            embeddings, or its head is not the bias-free, tied Linear a tied model holds;
-            with ``chunked_loss``, if the model's loss is not ``ForCausalLMLoss``. Nothing
-            is changed.
-        RuntimeError: If the input embeddings wrap the embedding that holds the weight (a
-            PEFT adapter), whose lookup the head would not follow; so does a later call.
-            With ``chunked_loss``, a forward with labels raises if an adapter replaced the
-            head or the model changes the logits before its loss other than by its
-            ``final_logit_softcapping``.
+        ValueError: If ``config.tie_word_embeddings`` is False, or the head is not the
+            bias-free, tied Linear a tied model holds; with ``chunked_loss``, if the loss is
+            not ``ForCausalLMLoss``. Nothing is changed.
+        RuntimeError: If the input embeddings wrap the embedding (a PEFT adapter), whose
+            lookup the head would not follow; so does a later call. With ``chunked_loss``,
+            so does a forward with labels if an adapter replaced the head, or the logits
+            change before the loss otherwise than by ``final_logit_softcapping``.
 
     Added in version v3.59.0.
 
