@@ -11,12 +11,24 @@ from __future__ import annotations
 import copy
 import inspect
 import pickle
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import CohereConfig, CohereForCausalLM, PreTrainedModel
+from transformers import (
+    BartConfig,
+    BartForCausalLM,
+    CohereConfig,
+    CohereForCausalLM,
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4TextConfig,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedModel,
+)
 
 from tests.nn.hf_models import VOCAB, gemma2, gpt2, llama, qwen2
 from toolkit.nn import TiedLinear, tie_output_embeddings
@@ -285,3 +297,154 @@ def test_a_head_replaced_by_another_module_is_refused_with_labels() -> None:
     with pytest.raises(RuntimeError, match="'lm_head'"):
         model(ids, labels=labels)
     assert model(ids).logits.shape == (2, 9, VOCAB)
+
+
+def mixtral() -> MixtralForCausalLM:
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=True,
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+    )
+    return MixtralForCausalLM(config)
+
+
+def test_a_mixture_of_experts_adds_its_routers_loss_as_on_the_stock_model() -> None:
+    """The model adds ``router_aux_loss_coef * aux_loss`` to what its loss_function returns."""
+    stock, model, _ = stock_and_lean(mixtral)
+    ids, labels = batch()
+    expected, actual = stock(ids, labels=labels), model(ids, labels=labels)
+    assert actual.logits is None
+    assert actual.aux_loss is not None
+    torch.testing.assert_close(actual.aux_loss, expected.aux_loss)
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    assert_same_gradients(model, stock)
+
+
+def test_out_of_training_mode_the_forward_gives_the_logits_and_their_loss(build: Callable) -> None:
+    """Evaluation (the Trainer's, with metrics of the logits) gets what the stock model gives."""
+    stock, model, _ = stock_and_lean(build)
+    stock.eval()
+    model.eval()
+    ids, labels = batch()
+    expected, actual = stock(ids, labels=labels), model(ids, labels=labels)
+    torch.testing.assert_close(actual.logits, expected.logits, rtol=0, atol=0)
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=0, atol=0)
+    model.train()
+    assert model(ids, labels=labels).logits is None
+
+
+def bart() -> BartForCausalLM:
+    config = BartConfig(
+        vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=64,
+        dropout=0.0,
+        tie_word_embeddings=True,
+    )
+    return BartForCausalLM(config)
+
+
+def test_a_model_that_computes_its_loss_without_loss_function_is_refused_at_the_forward() -> None:
+    """BartForCausalLM takes its own unshifted cross-entropy of the logits, which the
+    chunked loss, transformers' shifted one, is not."""
+    torch.manual_seed(0)
+    model = bart()
+    tie_output_embeddings(model, chunked_loss=True)
+    ids, labels = batch()
+    with pytest.raises(RuntimeError, match="loss_function") as error:
+        model(ids, labels=labels)
+    assert "chunked_loss=False" in str(error.value)
+    assert "_loss_function" not in vars(model)  # the model's own loss_function is back
+    tie_output_embeddings(model, chunked_loss=False)
+    assert model(ids, labels=labels).logits.shape == (2, 9, VOCAB)
+
+
+def test_a_model_shared_by_threads_answers_each_threads_call() -> None:
+    """A forward without labels on one thread, while another takes the loss, gets logits."""
+    stock, model, _ = stock_and_lean(llama)
+    ids, labels = batch(rows=4, length=24)
+    expected_loss, expected_logits = stock(ids, labels=labels).loss, stock(ids).logits
+    results: dict[str, list[torch.Tensor]] = {"loss": [], "logits": []}
+
+    def work(labelled: bool) -> None:
+        for _ in range(10):
+            if labelled:
+                results["loss"].append(model(ids, labels=labels).loss.detach())
+            else:
+                results["logits"].append(model(ids).logits.detach())
+
+    threads = [threading.Thread(target=work, args=(i % 2 == 0,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results["loss"]) == len(results["logits"]) == 20
+    for loss in results["loss"]:
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
+    for logits in results["logits"]:
+        torch.testing.assert_close(logits, expected_logits)
+
+
+# Dynamo builds the autograd context of a custom Function through a deprecated path, and warns.
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+def test_compiled_with_fullgraph_it_gives_the_stock_loss_and_refuses_a_scaled_model() -> None:
+    stock, model, _ = stock_and_lean(llama)
+    ids, labels = batch()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    expected, actual = stock(ids, labels=labels), compiled(ids, labels=labels)
+    assert actual.logits is None
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    assert_same_gradients(model, stock)
+    torch.manual_seed(0)
+    scaled = cohere()
+    tie_output_embeddings(scaled, chunked_loss=True)
+    with pytest.raises(RuntimeError, match="chunked_loss=False"):
+        torch.compile(scaled, fullgraph=True, backend="aot_eager")(ids, labels=labels)
+
+
+def gemma4() -> Gemma4ForConditionalGeneration:
+    """A model whose soft-cap is in its text config, not at the top of its config."""
+    text = Gemma4TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        final_logit_softcapping=3.0,  # small, so that it changes the loss much
+    )
+    return Gemma4ForConditionalGeneration(
+        Gemma4Config(text_config=text, vision_config=None, audio_config=None)
+    )
+
+
+def test_a_soft_cap_in_the_text_config_is_applied_as_on_the_stock_model() -> None:
+    stock, model, _ = stock_and_lean(gemma4)
+    assert getattr(model.config, "final_logit_softcapping", None) is None
+    ids, labels = batch()
+    expected, actual = stock(ids, labels=labels), model(ids, labels=labels)
+    assert actual.logits is None
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    assert_same_gradients(model, stock)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,10 @@ from torch import nn
 
 from toolkit.nn._tied_linear import TiedLinear
 
+# What the head returns in place of the logits: a value that the transforms a model may make
+# before its loss (a scale, a shift, a soft-cap) all move, whatever the loss.
+PROBE = 8.0
+
 
 class LossRequest:
     """What the model's forward asks of its tied head: the loss of the head's input.
@@ -20,63 +25,108 @@ class LossRequest:
     ``ignore_index``, and sums then divides by ``num_items_in_batch`` when the Trainer gives
     it (its gradient accumulation), or else takes the mean. The head computes that loss from
     its input with ``TiedLinear.cross_entropy``, soft-capped as the model caps its logits,
-    and returns the loss, broadcast to ``(..., 1)``, in place of the logits: a tensor that
-    the model's own code after the head (a soft-cap, a cast) handles at no cost. The loss is
-    read back from that output, so that the hooks FSDP2 puts on a unit's output (which
-    unshard its weights for backward, then reduce their gradients) run in backward as they
-    do for the logits. ``carrier`` is that output.
+    keeps it in ``loss``, and returns ``probe``, ``PROBE`` in the logits' place, shaped
+    ``(..., 1)``. The model's code after the head transforms the probe as it would the logits
+    and passes it, with its labels, to its ``loss_function``, which ``take`` answers with
+    ``loss``, after checking that the model changed the probe only by the soft-cap and gave
+    the labels and options the loss was computed with. What the model adds to its loss (a
+    router's auxiliary loss) it adds as on the stock model.
     """
 
     def __init__(
         self,
-        target: torch.Tensor,
-        ignore_index: int,
-        num_items: torch.Tensor | int | None,
+        labels: torch.Tensor,
+        options: dict[str, Any],
         softcap: float | None,
+        kind: str,
     ) -> None:
-        self.target = target
-        self.ignore_index = ignore_index
-        self.num_items = num_items
+        self.labels = labels
+        self.options = options  # ignore_index, shift_labels, num_items_in_batch, as given
         self.softcap = softcap
-        self.carrier: torch.Tensor | None = None
+        self.kind = kind
+        self.loss: torch.Tensor | None = None
+        self.probe: torch.Tensor | None = None
+        self.reached = False  # the model's loss_function was called
+        compiling = torch.compiler.is_compiling()  # which cannot trace the thread's identity
+        self.thread = None if compiling else threading.get_ident()
+
+    def asked_here(self) -> bool:
+        """Whether this thread made the request (not checked under ``torch.compile``).
+
+        A model shared with other threads answers only its own: their calls without labels
+        get logits.
+        """
+        return self.thread is None or self.thread == threading.get_ident()
 
     def answer(self, head: TiedLinear, x: torch.Tensor) -> torch.Tensor:
-        """The loss of ``x`` through ``head``, as the head's output: ``carrier``."""
+        """Compute the loss of ``x`` through ``head``; return the probe, in the logits' place."""
+        ignore_index = self.options.get("ignore_index", -100)
+        target = self.options.get("shift_labels")
+        if target is None:  # as transformers shifts: tokens < n predict n
+            target = F.pad(self.labels, (0, 1), value=ignore_index)[..., 1:]
+        num_items = self.options.get("num_items_in_batch")
         loss = TiedLinear.cross_entropy(
             head,
             x,
-            self.target.to(x.device),
-            ignore_index=self.ignore_index,
-            reduction="mean" if self.num_items is None else "sum",
+            target.to(x.device),
+            ignore_index=ignore_index,
+            reduction="mean" if num_items is None else "sum",
             softcap=self.softcap,
         )
-        if self.num_items is not None:
-            num_items = self.num_items
+        if num_items is not None:
             if isinstance(num_items, torch.Tensor):
                 num_items = num_items.to(loss.device)
             loss = loss / num_items
-        loss = loss.float()  # transformers' loss is float32, from float32 logits
-        # Not a view of the loss: FSDP2 warns of a unit's output that is one, as an in-place
-        # operation on it would skip the hook that unshards the weight for backward.
-        self.carrier = loss.reshape([1] * x.dim()).expand(*x.shape[:-1], 1).clone()
-        return self.carrier
+        self.loss = loss.float()  # transformers' loss is float32, from float32 logits
+        self.probe = x.new_full((*x.shape[:-1], 1), PROBE, dtype=torch.float32)
+        return self.probe
+
+    def take(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int | None = None,
+        **options: Any,  # noqa: ANN401 - transformers' loss keywords
+    ) -> torch.Tensor:
+        """The model's ``loss_function`` during the call: the loss the head computed."""
+        self.reached = True
+        if self.probe is None or self.loss is None:
+            raise RuntimeError(
+                f"{self.kind}'s forward computed its loss before calling its head, in which "
+                "chunked_loss computes it; tie it with chunked_loss=False"
+            )
+        same = labels is self.labels and all(
+            options.get(name) is self.options.get(name)
+            for name in ("ignore_index", "shift_labels", "num_items_in_batch")
+        )
+        if not same:
+            raise RuntimeError(
+                f"{self.kind}'s forward passes its loss other labels or options than it was "
+                "given, which the head's loss, computed from those given, would not match; "
+                "tie it with chunked_loss=False"
+            )
+        _check_probe(self.kind, logits, self.probe, self.softcap)
+        return self.loss
 
 
 class ChunkedLossForward:
     """``model.forward`` of a model tied with ``chunked_loss=True``.
 
-    Without ``labels`` (evaluation, ``generate``) it is the model's forward. With them, the
-    model's forward runs without them, so that it computes no loss of the logits, and the
-    head at ``path``, asked through a ``LossRequest``, computes the loss instead of the
-    logits; the output holds the loss and no logits. ``__wrapped__`` makes
+    Without ``labels``, or out of training mode (evaluation, ``generate``), it is the model's
+    forward. With labels in training mode, the head at ``path``, asked through a
+    ``LossRequest``, computes the loss instead of the logits, the model's ``loss_function``
+    returns it, and the output holds the model's loss and no logits. ``__wrapped__`` makes
     ``inspect.signature`` give the model's forward's, which the Trainer reads (the columns
-    it keeps, whether the model takes ``num_items_in_batch``).
+    it keeps, whether the model takes ``num_items_in_batch``). Threads that share the model
+    take such calls one at a time (not under ``torch.compile``); calls without labels are
+    not held.
     """
 
     def __init__(self, model: nn.Module, path: str, forward: Callable[..., Any]) -> None:
         self.model = model
         self.path = path
         self.enabled = True
+        self.lock = threading.Lock()
         self.__wrapped__ = forward
         parameters = list(inspect.signature(forward).parameters.values())
         positional = []
@@ -91,47 +141,66 @@ class ChunkedLossForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - the model's
         forward = self.__wrapped__
+        model: Any = self.model
         named = dict(zip(self.positional, args, strict=False))
         labels = kwargs.get("labels", named.get("labels"))
-        if not self.enabled or labels is None:
+        if not (self.enabled and model.training) or labels is None:
             return forward(*args, **kwargs)
         if len(args) > len(self.positional) or named.keys() & kwargs.keys():
             return forward(*args, **kwargs)  # which raises the TypeError Python would
         kwargs.update(named)
+        if torch.compiler.is_compiling():
+            return self.lean_forward(forward, labels, kwargs)
+        with self.lock:
+            return self.lean_forward(forward, labels, kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if k != "lock"}  # a lock does not copy
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state, lock=threading.Lock())
+
+    def lean_forward(
+        self, forward: Callable[..., Any], labels: torch.Tensor, kwargs: dict[str, Any]
+    ) -> Any:  # noqa: ANN401 - the model's
+        """The model's forward with its loss taken in the head, and no logits returned."""
         model: Any = self.model
         kind = type(model).__name__
         _check_loss_function(model)
         head = model.get_submodule(self.path)
         if not isinstance(head, TiedLinear) or not hasattr(head, "loss_requested"):
             raise _adapted_head_error(kind, self.path, head)
-        ignore_index = kwargs.get("ignore_index", -100)
-        target = kwargs.get("shift_labels")
-        if target is None:  # as transformers shifts: tokens < n predict n
-            target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         config = model.config
-        softcap = getattr(config, "final_logit_softcapping", None)
-        request = LossRequest(target, ignore_index, kwargs.get("num_items_in_batch"), softcap)
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        softcap = getattr(text_config, "final_logit_softcapping", None)
+        names = ("ignore_index", "shift_labels", "num_items_in_batch")
+        options = {name: kwargs[name] for name in names if name in kwargs}
+        request = LossRequest(labels, options, softcap, kind)
         return_dict = kwargs.pop("return_dict", None)
         if return_dict is None:
             return_dict = getattr(config, "return_dict", True)
         if self.takes_return_dict:
             kwargs["return_dict"] = True
-        kwargs["labels"] = None
-        with head.loss_requested(request):
-            output = forward(**kwargs)
-        carrier = request.carrier
-        if carrier is None:
-            raise RuntimeError(
-                f"{kind}'s forward did not call its head {self.path!r}, in which "
-                "chunked_loss computes the loss; tie it with chunked_loss=False"
-            )
-        if not torch.compiler.is_compiling():
-            _check_logits_untouched(kind, output.logits, carrier, softcap)
-        # Read back through the head's output, which FSDP2 hooks for backward; cloned, as
-        # FSDP2 wants a unit's outputs to be no views.
-        loss = carrier[(0,) * carrier.dim()].clone()
-        fields = {k: v for k, v in output.items() if k not in ("loss", "logits")}
-        result = type(output)(loss=loss, **fields)
+        own = vars(model).get("_loss_function", request)  # a loss_function set on the model
+        if isinstance(getattr(own, "__self__", None), LossRequest):
+            own = request  # another thread's call, in progress: not the model's own
+        try:
+            with head.loss_requested(request):
+                vars(model)["_loss_function"] = request.take
+                output = forward(**kwargs)
+        except Exception as error:
+            if request.probe is None or request.reached:
+                raise  # not from the probe in the logits' place
+            raise _own_loss_error(kind) from error
+        finally:
+            if own is request:
+                vars(model).pop("_loss_function", None)
+            else:
+                vars(model)["_loss_function"] = own
+        if not request.reached:
+            raise _own_loss_error(kind)
+        fields = {k: v for k, v in output.items() if k != "logits"}
+        result = type(output)(**fields)
         return result if return_dict else result.to_tuple()
 
 
@@ -149,14 +218,13 @@ def set_chunked_loss(model: nn.Module, path: str, enabled: bool) -> None:
     forward = vars(model).get("forward")
     while forward is not None and not isinstance(forward, ChunkedLossForward):
         forward = getattr(forward, "__wrapped__", None)
+    if enabled:
+        _check_loss_function(model)
     if forward is not None:
-        if enabled:
-            _check_loss_function(model)
         forward.enabled = enabled
         return
     if not enabled:
         return
-    _check_loss_function(model)
     if "labels" not in inspect.signature(hf.forward).parameters:
         raise ValueError(
             f"{type(model).__name__}'s forward takes no labels, so it computes no loss; "
@@ -166,6 +234,7 @@ def set_chunked_loss(model: nn.Module, path: str, enabled: bool) -> None:
 
 
 def _check_loss_function(model: Any) -> None:  # noqa: ANN401 - a transformers model
+    """Refuse a model whose ``loss_function`` is not transformers' causal LM loss."""
     from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: PLC0415 - a model's
 
     loss_function = getattr(model, "loss_function", None)
@@ -178,30 +247,39 @@ def _check_loss_function(model: Any) -> None:  # noqa: ANN401 - a transformers m
         )
 
 
-def _check_logits_untouched(
-    kind: str, logits: object, carrier: torch.Tensor, softcap: float | None
-) -> None:
+def _check_probe(kind: str, logits: object, probe: torch.Tensor, softcap: float | None) -> None:
     """Refuse a model that changes its head's output before the loss in an unknown way.
 
-    The loss is the head's; a model whose forward scales or shifts the logits before its
-    own loss (``logit_scale``, say) has another. The carrier went through that code: it must
-    come out as it went in, or soft-capped by the config's ``final_logit_softcapping``.
+    The probe must come out as it went in, or soft-capped by the config's
+    ``final_logit_softcapping``; a model that scales or shifts its logits (``logit_scale``,
+    say) has another loss. Under ``torch.compile`` the comparison is an asynchronous
+    assertion, as ``F.cross_entropy``'s checks of its targets are on an accelerator.
     """
-    expected = carrier if softcap is None else softcap * torch.tanh(carrier / softcap)
-    if logits is carrier:
+    if logits is probe:
         return
-    if (
-        isinstance(logits, torch.Tensor)
-        and logits.shape == carrier.shape
-        and torch.allclose(
-            logits.detach().float(), expected.detach().float(), rtol=1e-3, equal_nan=True
-        )
-    ):
-        return
-    raise RuntimeError(
+    if not isinstance(logits, torch.Tensor) or logits.shape != probe.shape:
+        raise _changed_logits_error(kind)
+    expected = probe if softcap is None else torch.tanh(probe / softcap) * softcap
+    close = torch.isclose(logits.detach().float(), expected, rtol=1e-5, atol=0.0).all()
+    if torch.compiler.is_compiling():
+        torch._assert_async(close, str(_changed_logits_error(kind)))
+    elif not close:
+        raise _changed_logits_error(kind)
+
+
+def _changed_logits_error(kind: str) -> RuntimeError:
+    return RuntimeError(
         f"{kind}'s forward changes its head's logits before its loss in a way chunked_loss "
         "does not compute (it applies the config's final_logit_softcapping, nothing else), "
         "so the chunked loss would differ from the model's; tie it with chunked_loss=False"
+    )
+
+
+def _own_loss_error(kind: str) -> RuntimeError:
+    return RuntimeError(
+        f"{kind}'s forward computes its loss without transformers' loss_function (or not "
+        "from its head's logits), where chunked_loss puts the head's loss; tie it with "
+        "chunked_loss=False"
     )
 
 

@@ -153,7 +153,7 @@ class _ModelHead(nn.Linear, TiedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_lookup()
         request = self._request
-        if request is None:
+        if request is None or not request.asked_here():
             return TiedLinear.__call__(self, x)
         self._request = None  # the first call answers; a second one gives logits
         return request.answer(self, x)
