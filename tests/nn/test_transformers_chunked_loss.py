@@ -448,3 +448,14 @@ def test_a_soft_cap_in_the_text_config_is_applied_as_on_the_stock_model() -> Non
     expected.loss.backward()
     actual.loss.backward()
     assert_same_gradients(model, stock)
+
+
+def test_a_loss_function_set_on_the_model_is_kept_after_the_call() -> None:
+    from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: PLC0415
+
+    stock, model, _ = stock_and_lean(llama)
+    model.loss_function = ForCausalLMLoss  # transformers' own, set on the instance
+    ids, labels = batch()
+    actual = model(ids, labels=labels)
+    torch.testing.assert_close(actual.loss, stock(ids, labels=labels).loss, rtol=1e-5, atol=1e-5)
+    assert vars(model)["_loss_function"] is ForCausalLMLoss

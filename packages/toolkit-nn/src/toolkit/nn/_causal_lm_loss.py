@@ -182,8 +182,6 @@ class ChunkedLossForward:
         if self.takes_return_dict:
             kwargs["return_dict"] = True
         own = vars(model).get("_loss_function", request)  # a loss_function set on the model
-        if isinstance(getattr(own, "__self__", None), LossRequest):
-            own = request  # another thread's call, in progress: not the model's own
         try:
             with head.loss_requested(request):
                 vars(model)["_loss_function"] = request.take
