@@ -115,7 +115,11 @@ def test_labels_given_by_position_shift_labels_and_ignore_index_are_the_stock_mo
     # past_key_values, inputs_embeds, labels).
     expected = stock(ids, None, None, None, None, labels)
     actual = model(ids, None, None, None, None, labels)
+    assert actual.logits is None
     torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-5)
+    every = (ids, None, None, None, None, labels, False, 0)  # every parameter, by position
+    assert model(*every).logits is None
+    torch.testing.assert_close(model(*every).loss, expected.loss, rtol=1e-5, atol=1e-5)
     shifted = torch.roll(labels, -1, dims=1)  # given already shifted: no shift inside
     expected = stock(ids, labels=labels, shift_labels=shifted)
     actual = model(ids, labels=labels, shift_labels=shifted)
@@ -124,6 +128,118 @@ def test_labels_given_by_position_shift_labels_and_ignore_index_are_the_stock_mo
     expected = stock(ids, labels=marked, ignore_index=7)
     actual = model(ids, labels=marked, ignore_index=7)
     torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-5)
+
+
+def test_arguments_the_forward_does_not_take_raise_its_type_error() -> None:
+    stock, model, _ = stock_and_lean(llama)
+    ids, labels = batch()
+    for call in (
+        lambda m: m(ids, None, None, None, None, labels, labels=labels),  # labels twice
+        lambda m: m(ids, None, None, None, None, labels, False, 0, None),  # one too many
+    ):
+        with pytest.raises(TypeError):
+            call(stock)
+        with pytest.raises(TypeError):
+            call(model)
+
+
+def test_an_error_of_the_model_before_its_head_keeps_its_type() -> None:
+    stock, model, _ = stock_and_lean(llama)
+    ids, labels = batch()
+    ids[0, 0] = VOCAB  # no such token
+    with pytest.raises(IndexError):
+        stock(ids, labels=labels)
+    with pytest.raises(IndexError):
+        model(ids, labels=labels)
+
+
+class OwnLogits(type(llama())):  # type: ignore[misc]
+    """A causal LM whose forward computes the logits without its head, then their loss."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: object) -> object:
+        hidden = self.model(input_ids).last_hidden_state
+        logits = hidden @ self.model.embed_tokens.weight.T
+        return self.loss_function(logits, labels, self.config.vocab_size)
+
+
+def test_a_model_that_computes_its_loss_without_its_head_is_refused() -> None:
+    torch.manual_seed(0)
+    model = OwnLogits(llama().config)
+    tie_output_embeddings(model, chunked_loss=True)
+    ids, labels = batch()
+    with pytest.raises(RuntimeError, match="chunked_loss=False") as error:
+        model(ids, labels=labels)
+    assert "OwnLogits" in str(error.value)
+
+
+class Passes(type(llama())):  # type: ignore[misc]
+    """A causal LM whose forward gives its loss other labels or options than it was given."""
+
+    change = ""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: object) -> object:
+        output = self.model(input_ids)
+        logits = self.lm_head(output.last_hidden_state)
+        options = dict(kwargs)
+        if self.change == "labels":
+            labels = labels.clone()
+        else:
+            options[self.change] = {"ignore_index": -1, "num_items_in_batch": 3}.get(
+                self.change, torch.roll(labels, -1, dims=1)
+            )
+        loss = self.loss_function(logits, labels, self.config.vocab_size, **options)
+        return type(output)(last_hidden_state=loss)
+
+
+@pytest.mark.parametrize("change", ["labels", "ignore_index", "num_items_in_batch", "shift_labels"])
+def test_a_model_that_gives_its_loss_other_labels_or_options_is_refused(change: str) -> None:
+    torch.manual_seed(0)
+    model = Passes(llama().config)
+    model.change = change
+    tie_output_embeddings(model, chunked_loss=True)
+    ids, labels = batch()
+    with pytest.raises(RuntimeError, match="chunked_loss=False") as error:
+        model(ids, labels=labels)
+    assert "Passes" in str(error.value)
+
+
+class Slices(type(llama())):  # type: ignore[misc]
+    """A causal LM whose forward takes the loss of some positions' logits only."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: object) -> object:
+        output = self.model(input_ids)
+        logits = self.lm_head(output.last_hidden_state)[:, 1:]
+        loss = self.loss_function(logits, labels[:, 1:], self.config.vocab_size)
+        return type(output)(last_hidden_state=loss)
+
+
+def test_a_model_that_takes_the_loss_of_a_slice_of_the_logits_is_refused() -> None:
+    torch.manual_seed(0)
+    model = Slices(llama().config)
+    tie_output_embeddings(model, chunked_loss=True)
+    ids, labels = batch()
+    with pytest.raises(RuntimeError, match="chunked_loss=False") as error:
+        model(ids, labels=labels)
+    assert "Slices" in str(error.value)
+
+
+def test_switching_finds_the_wrapper_under_another_wrapper_of_the_forward() -> None:
+    """accelerate wraps ``model.forward`` (autocast, outputs to float32) with functools.wraps."""
+    import functools  # noqa: PLC0415
+
+    _, model, _ = stock_and_lean(llama)
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def outer(*args: object, **kwargs: object) -> object:
+        return inner(*args, **kwargs)
+
+    model.forward = outer
+    ids, labels = batch()
+    assert model(ids, labels=labels).logits is None
+    tie_output_embeddings(model, chunked_loss=False)
+    assert model(ids, labels=labels).logits.shape == (2, 9, VOCAB)
+    assert model.forward is outer
 
 
 def test_return_dict_false_gives_the_stock_tuple_without_the_logits(build: Callable) -> None:
@@ -254,8 +370,9 @@ def test_a_model_that_scales_its_logits_before_the_loss_is_refused_at_the_forwar
     model = cohere()  # multiplies the logits by config.logit_scale before its loss
     head = tie_output_embeddings(model, chunked_loss=True)
     ids, labels = batch()
-    with pytest.raises(RuntimeError, match="chunked_loss=False"):
+    with pytest.raises(RuntimeError, match="chunked_loss=False") as error:
         model(ids, labels=labels)
+    assert "CohereForCausalLM" in str(error.value)
     assert head._request is None  # the next call computes logits again
     assert tie_output_embeddings(model, chunked_loss=False) is head
     assert model(ids, labels=labels).logits.shape == (2, 9, VOCAB)
@@ -267,7 +384,8 @@ def test_a_model_with_another_loss_is_refused_at_the_tie_and_left_alone() -> Non
     model.loss_type = "ForMaskedLM"  # transformers' masked LM loss: no shift
     with pytest.raises(ValueError, match="ForCausalLMLoss") as error:
         tie_output_embeddings(model, chunked_loss=True)
-    assert "ForMaskedLMLoss" in str(error.value)
+    assert "loss_function is ForMaskedLMLoss" in str(error.value)
+    assert "LlamaForCausalLM" in str(error.value)
     assert type(model.lm_head) is torch.nn.Linear
     assert "forward" not in vars(model)
 
@@ -294,8 +412,10 @@ def test_a_head_replaced_by_another_module_is_refused_with_labels() -> None:
             return self.base_layer(x) + 1.0  # type: ignore[no-any-return]
 
     model.lm_head = Adapter(model.lm_head)
-    with pytest.raises(RuntimeError, match="'lm_head'"):
+    with pytest.raises(RuntimeError, match="'lm_head'") as error:
         model(ids, labels=labels)
+    assert "LlamaForCausalLM" in str(error.value)
+    assert "Adapter" in str(error.value)
     assert model(ids).logits.shape == (2, 9, VOCAB)
 
 
@@ -370,6 +490,7 @@ def test_a_model_that_computes_its_loss_without_loss_function_is_refused_at_the_
     with pytest.raises(RuntimeError, match="loss_function") as error:
         model(ids, labels=labels)
     assert "chunked_loss=False" in str(error.value)
+    assert "BartForCausalLM" in str(error.value)
     assert "_loss_function" not in vars(model)  # the model's own loss_function is back
     tie_output_embeddings(model, chunked_loss=False)
     assert model(ids, labels=labels).logits.shape == (2, 9, VOCAB)

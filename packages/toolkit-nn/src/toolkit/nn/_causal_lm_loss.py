@@ -25,11 +25,11 @@ class LossRequest:
     ``ignore_index``, and sums then divides by ``num_items_in_batch`` when the Trainer gives
     it (its gradient accumulation), or else takes the mean. The head computes that loss from
     its input with ``TiedLinear.cross_entropy``, soft-capped as the model caps its logits,
-    keeps it in ``loss``, and returns ``probe``, ``PROBE`` in the logits' place, shaped
-    ``(..., 1)``. The model's code after the head transforms the probe as it would the logits
-    and passes it, with its labels, to its ``loss_function``, which ``take`` answers with
-    ``loss``, after checking that the model changed the probe only by the soft-cap and gave
-    the labels and options the loss was computed with. What the model adds to its loss (a
+    keeps it, and returns a probe, ``PROBE`` in the logits' place, shaped ``(..., 1)``. The
+    model's code after the head transforms the probe as it would the logits and passes it,
+    with its labels, to its ``loss_function``, which ``take`` answers with the loss, after
+    checking that the model changed the probe only by the soft-cap and gave the labels and
+    options the loss was computed with. What the model adds to its loss (a
     router's auxiliary loss) it adds as on the stock model.
     """
 
@@ -44,9 +44,8 @@ class LossRequest:
         self.options = options  # ignore_index, shift_labels, num_items_in_batch, as given
         self.softcap = softcap
         self.kind = kind
-        self.loss: torch.Tensor | None = None
-        self.probe: torch.Tensor | None = None
-        self.reached = False  # the model's loss_function was called
+        self.answered: tuple[torch.Tensor, torch.Tensor] | None = None  # the loss, the probe
+        self.calls = 0  # of the model's loss_function
         compiling = torch.compiler.is_compiling()  # which cannot trace the thread's identity
         self.thread = None if compiling else threading.get_ident()
 
@@ -73,13 +72,11 @@ class LossRequest:
             reduction="mean" if num_items is None else "sum",
             softcap=self.softcap,
         )
-        if num_items is not None:
-            if isinstance(num_items, torch.Tensor):
-                num_items = num_items.to(loss.device)
+        if num_items is not None:  # a number, or a 0-d tensor on the loss's device or the CPU
             loss = loss / num_items
-        self.loss = loss.float()  # transformers' loss is float32, from float32 logits
-        self.probe = x.new_full((*x.shape[:-1], 1), PROBE, dtype=torch.float32)
-        return self.probe
+        probe = x.new_full((*x.shape[:-1], 1), PROBE, dtype=torch.float32)
+        self.answered = (loss.float(), probe)  # transformers' loss is float32
+        return probe
 
     def take(
         self,
@@ -89,8 +86,8 @@ class LossRequest:
         **options: Any,  # noqa: ANN401 - transformers' loss keywords
     ) -> torch.Tensor:
         """The model's ``loss_function`` during the call: the loss the head computed."""
-        self.reached = True
-        if self.probe is None or self.loss is None:
+        self.calls += 1
+        if self.answered is None:
             raise RuntimeError(
                 f"{self.kind}'s forward computed its loss before calling its head, in which "
                 "chunked_loss computes it; tie it with chunked_loss=False"
@@ -105,8 +102,9 @@ class LossRequest:
                 "given, which the head's loss, computed from those given, would not match; "
                 "tie it with chunked_loss=False"
             )
-        _check_probe(self.kind, logits, self.probe, self.softcap)
-        return self.loss
+        loss, probe = self.answered
+        _check_probe(self.kind, logits, (*labels.shape, 1), probe, self.softcap)
+        return loss
 
 
 class ChunkedLossForward:
@@ -135,14 +133,11 @@ class ChunkedLossForward:
                 break
             positional.append(parameter.name)
         self.positional = tuple(positional)
-        self.takes_return_dict = any(
-            p.name == "return_dict" or p.kind == p.VAR_KEYWORD for p in parameters
-        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - the model's
         forward = self.__wrapped__
         model: Any = self.model
-        named = dict(zip(self.positional, args, strict=False))
+        named = dict(zip(self.positional, args))  # noqa: B905 - fewer args than names
         labels = kwargs.get("labels", named.get("labels"))
         if not (self.enabled and model.training) or labels is None:
             return forward(*args, **kwargs)
@@ -168,38 +163,33 @@ class ChunkedLossForward:
         kind = type(model).__name__
         _check_loss_function(model)
         head = model.get_submodule(self.path)
-        if not isinstance(head, TiedLinear) or not hasattr(head, "loss_requested"):
+        if not hasattr(head, "loss_requested"):  # the tied head's
             raise _adapted_head_error(kind, self.path, head)
         config = model.config
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        softcap = getattr(text_config, "final_logit_softcapping", None)
+        softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
         names = ("ignore_index", "shift_labels", "num_items_in_batch")
         options = {name: kwargs[name] for name in names if name in kwargs}
         request = LossRequest(labels, options, softcap, kind)
-        return_dict = kwargs.pop("return_dict", None)
-        if return_dict is None:
-            return_dict = getattr(config, "return_dict", True)
-        if self.takes_return_dict:
-            kwargs["return_dict"] = True
-        own = vars(model).get("_loss_function", request)  # a loss_function set on the model
+        return_dict = kwargs.pop("return_dict", None)  # the output is rebuilt below
+        own = vars(model).get("_loss_function")  # a loss_function set on the model
         try:
             with head.loss_requested(request):
                 vars(model)["_loss_function"] = request.take
                 output = forward(**kwargs)
         except Exception as error:
-            if request.probe is None or request.reached:
+            if request.answered is None or request.calls:
                 raise  # not from the probe in the logits' place
             raise _own_loss_error(kind) from error
         finally:
-            if own is request:
-                vars(model).pop("_loss_function", None)
+            if own is None:
+                del vars(model)["_loss_function"]
             else:
                 vars(model)["_loss_function"] = own
-        if not request.reached:
+        if request.calls != 1:
             raise _own_loss_error(kind)
         fields = {k: v for k, v in output.items() if k != "logits"}
         result = type(output)(**fields)
-        return result if return_dict else result.to_tuple()
+        return result.to_tuple() if return_dict is False else result
 
 
 def set_chunked_loss(model: nn.Module, path: str, enabled: bool) -> None:
@@ -235,9 +225,9 @@ def _check_loss_function(model: Any) -> None:  # noqa: ANN401 - a transformers m
     """Refuse a model whose ``loss_function`` is not transformers' causal LM loss."""
     from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: PLC0415 - a model's
 
-    loss_function = getattr(model, "loss_function", None)
+    loss_function = model.loss_function
     if loss_function is not ForCausalLMLoss:
-        name = getattr(loss_function, "__qualname__", repr(loss_function))
+        name = getattr(loss_function, "__qualname__", loss_function)
         raise ValueError(
             f"chunked_loss computes transformers' causal LM loss (ForCausalLMLoss), but "
             f"{type(model).__name__}'s loss_function is {name}; keep chunked_loss=False for "
@@ -245,20 +235,25 @@ def _check_loss_function(model: Any) -> None:  # noqa: ANN401 - a transformers m
         )
 
 
-def _check_probe(kind: str, logits: object, probe: torch.Tensor, softcap: float | None) -> None:
+def _check_probe(
+    kind: str,
+    logits: object,
+    shape: tuple[int, ...],
+    probe: torch.Tensor,
+    softcap: float | None,
+) -> None:
     """Refuse a model that changes its head's output before the loss in an unknown way.
 
-    The probe must come out as it went in, or soft-capped by the config's
-    ``final_logit_softcapping``; a model that scales or shifts its logits (``logit_scale``,
-    say) has another loss. Under ``torch.compile`` the comparison is an asynchronous
-    assertion, as ``F.cross_entropy``'s checks of its targets are on an accelerator.
+    The probe must come to the loss with the labels' shape (one value a label), as it went
+    in or soft-capped by the config's ``final_logit_softcapping``; a model that scales or
+    shifts its logits (``logit_scale``, say) has another loss. Under ``torch.compile`` the
+    comparison is an asynchronous assertion, as ``F.cross_entropy``'s checks of its targets
+    are on an accelerator.
     """
-    if logits is probe:
-        return
-    if not isinstance(logits, torch.Tensor) or logits.shape != probe.shape:
+    if not isinstance(logits, torch.Tensor) or logits.shape != shape:
         raise _changed_logits_error(kind)
     expected = probe if softcap is None else torch.tanh(probe / softcap) * softcap
-    close = torch.isclose(logits.detach().float(), expected, rtol=1e-5, atol=0.0).all()
+    close = torch.isclose(logits.detach().float(), expected).all()
     if torch.compiler.is_compiling():
         torch._assert_async(close, str(_changed_logits_error(kind)))
     elif not close:

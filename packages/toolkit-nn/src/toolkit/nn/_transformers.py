@@ -153,9 +153,9 @@ class _ModelHead(nn.Linear, TiedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_lookup()
         request = self._request
-        if request is None or not request.asked_here():
+        # The first call of the forward answers; a second one, or another thread's, gives logits.
+        if request is None or request.answered is not None or not request.asked_here():
             return TiedLinear.__call__(self, x)
-        self._request = None  # the first call answers; a second one gives logits
         return request.answer(self, x)
 
     @contextlib.contextmanager
