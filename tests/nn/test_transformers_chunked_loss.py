@@ -9,6 +9,7 @@ of them.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import pickle
 import threading
@@ -209,8 +210,42 @@ class Slices(type(llama())):  # type: ignore[misc]
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: object) -> object:
         output = self.model(input_ids)
         logits = self.lm_head(output.last_hidden_state)[:, 1:]
-        loss = self.loss_function(logits, labels[:, 1:], self.config.vocab_size)
+        loss = self.loss_function(logits, labels, self.config.vocab_size)
         return type(output)(last_hidden_state=loss)
+
+
+class OwnLoss(type(llama())):  # type: ignore[misc]
+    """A causal LM whose forward takes a loss of its own from the logits."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: object) -> object:
+        output = self.model(input_ids)
+        logits = self.lm_head(output.last_hidden_state)
+        return type(output)(last_hidden_state=logits.square().mean())
+
+
+class Twice(type(llama())):  # type: ignore[misc]
+    """A causal LM whose forward takes transformers' loss of its logits twice."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: object) -> object:
+        output = self.model(input_ids)
+        logits = self.lm_head(output.last_hidden_state)
+        first = self.loss_function(logits, labels, self.config.vocab_size)
+        second = self.loss_function(logits, labels, self.config.vocab_size)
+        return type(output)(last_hidden_state=first + second)
+
+
+@pytest.mark.parametrize("cls", [OwnLoss, Twice])
+def test_a_model_that_takes_its_loss_otherwise_than_once_through_loss_function_is_refused(
+    cls: type,
+) -> None:
+    torch.manual_seed(0)
+    model = cls(llama().config)
+    tie_output_embeddings(model, chunked_loss=True)
+    ids, labels = batch()
+    with pytest.raises(RuntimeError, match="loss_function") as error:
+        model(ids, labels=labels)
+    assert cls.__name__ in str(error.value)
+    assert "chunked_loss=False" in str(error.value)
 
 
 def test_a_model_that_takes_the_loss_of_a_slice_of_the_logits_is_refused() -> None:
@@ -225,8 +260,6 @@ def test_a_model_that_takes_the_loss_of_a_slice_of_the_logits_is_refused() -> No
 
 def test_switching_finds_the_wrapper_under_another_wrapper_of_the_forward() -> None:
     """accelerate wraps ``model.forward`` (autocast, outputs to float32) with functools.wraps."""
-    import functools  # noqa: PLC0415
-
     _, model, _ = stock_and_lean(llama)
     inner = model.forward
 
@@ -396,6 +429,11 @@ def test_a_loss_function_set_after_the_tie_is_refused_at_the_forward() -> None:
     model.loss_type = "ForMaskedLM"
     with pytest.raises(ValueError, match="ForCausalLMLoss"):
         model(ids, labels=labels)
+    from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: PLC0415
+
+    model.loss_function = functools.partial(ForCausalLMLoss)  # a callable without a name
+    with pytest.raises(ValueError, match="loss_function is partial"):
+        model(ids, labels=labels)
     assert model(ids).logits.shape == (2, 9, VOCAB)  # without labels, as before
 
 
@@ -537,8 +575,9 @@ def test_compiled_with_fullgraph_it_gives_the_stock_loss_and_refuses_a_scaled_mo
     torch.manual_seed(0)
     scaled = cohere()
     tie_output_embeddings(scaled, chunked_loss=True)
-    with pytest.raises(RuntimeError, match="chunked_loss=False"):
+    with pytest.raises(RuntimeError, match="chunked_loss=False") as error:
         torch.compile(scaled, fullgraph=True, backend="aot_eager")(ids, labels=labels)
+    assert "CohereForCausalLM" in str(error.value)
 
 
 def gemma4() -> Gemma4ForConditionalGeneration:

@@ -227,7 +227,7 @@ def _check_loss_function(model: Any) -> None:  # noqa: ANN401 - a transformers m
 
     loss_function = model.loss_function
     if loss_function is not ForCausalLMLoss:
-        name = getattr(loss_function, "__qualname__", loss_function)
+        name = getattr(loss_function, "__qualname__", type(loss_function).__qualname__)
         raise ValueError(
             f"chunked_loss computes transformers' causal LM loss (ForCausalLMLoss), but "
             f"{type(model).__name__}'s loss_function is {name}; keep chunked_loss=False for "
