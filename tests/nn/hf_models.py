@@ -6,12 +6,21 @@ Nothing is downloaded; each builder takes config overrides.
 from __future__ import annotations
 
 from transformers import (
+    BartConfig,
+    BartForCausalLM,
+    CohereConfig,
+    CohereForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
     Qwen2Config,
@@ -95,3 +104,72 @@ def opt() -> OPTForCausalLM:
         attention_dropout=0.0,
     )
     return OPTForCausalLM(config)
+
+
+def cohere() -> CohereForCausalLM:
+    """Multiplies its logits by ``config.logit_scale`` before its loss."""
+    config = CohereConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        logit_scale=0.25,
+    )
+    return CohereForCausalLM(config)
+
+
+def mixtral() -> MixtralForCausalLM:
+    """A mixture of experts that adds its router's loss to its loss."""
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=True,
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+    )
+    return MixtralForCausalLM(config)
+
+
+def bart() -> BartForCausalLM:
+    """Takes its own unshifted cross-entropy of the logits, without ``loss_function``."""
+    config = BartConfig(
+        vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=64,
+        dropout=0.0,
+        tie_word_embeddings=True,
+    )
+    return BartForCausalLM(config)
+
+
+def gemma4() -> Gemma4ForConditionalGeneration:
+    """A model whose soft-cap is in its text config, not at the top of its config."""
+    text = Gemma4TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        final_logit_softcapping=3.0,  # small, so that it changes the loss much
+    )
+    return Gemma4ForConditionalGeneration(
+        Gemma4Config(text_config=text, vision_config=None, audio_config=None)
+    )

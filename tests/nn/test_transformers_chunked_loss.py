@@ -18,20 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    BartConfig,
-    BartForCausalLM,
-    CohereConfig,
-    CohereForCausalLM,
-    Gemma4Config,
-    Gemma4ForConditionalGeneration,
-    Gemma4TextConfig,
-    MixtralConfig,
-    MixtralForCausalLM,
-    PreTrainedModel,
-)
+from transformers import PreTrainedModel
 
-from tests.nn.hf_models import VOCAB, gemma2, gpt2, llama, qwen2
+from tests.nn.hf_models import VOCAB, bart, cohere, gemma2, gemma4, gpt2, llama, mixtral, qwen2
 from toolkit.nn import TiedLinear, tie_output_embeddings
 
 ARCHITECTURES: dict[str, Callable[..., PreTrainedModel]] = {
@@ -65,6 +54,22 @@ def batch(rows: int = 2, length: int = 9, seed: int = 1) -> tuple[torch.Tensor, 
     return ids, labels
 
 
+def assert_the_stock_loss_and_gradients(
+    stock: PreTrainedModel, model: PreTrainedModel, *args: object, **kwargs: object
+) -> object:
+    """``model(*args, **kwargs)`` gives no logits and the stock model's loss and gradients."""
+    expected, actual = stock(*args, **kwargs), model(*args, **kwargs)
+    assert type(actual) is type(expected)
+    assert actual.logits is None
+    assert "logits" not in actual
+    assert actual.loss.dtype == expected.loss.dtype == torch.float32
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-5)
+    expected.loss.backward()
+    actual.loss.backward()
+    assert_same_gradients(model, stock)
+    return actual
+
+
 def gradients(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
@@ -85,16 +90,7 @@ def test_the_loss_and_gradients_are_the_stock_models_and_no_logits_are_returned(
 ) -> None:
     stock, model, _ = stock_and_lean(build)
     ids, labels = batch()
-    expected = stock(ids, labels=labels, **loss_kwargs)
-    actual = model(ids, labels=labels, **loss_kwargs)
-    assert type(actual) is type(expected)
-    assert actual.logits is None
-    assert "logits" not in actual
-    assert actual.loss.dtype == expected.loss.dtype == torch.float32
-    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-5)
-    expected.loss.backward()
-    actual.loss.backward()
-    assert_same_gradients(model, stock)
+    assert_the_stock_loss_and_gradients(stock, model, ids, labels=labels, **loss_kwargs)
 
 
 def test_without_labels_the_forward_and_generate_are_the_stock_models(build: Callable) -> None:
@@ -154,6 +150,20 @@ def test_an_error_of_the_model_before_its_head_keeps_its_type() -> None:
         model(ids, labels=labels)
 
 
+def refusal_of(cls: type, **attributes: object) -> str:
+    """The message of the RuntimeError that a tied ``cls``'s forward with labels raises, which
+    names the class and the fix."""
+    torch.manual_seed(0)
+    model = cls(llama().config)
+    vars(model).update(attributes)
+    tie_output_embeddings(model, chunked_loss=True)
+    ids, labels = batch()
+    with pytest.raises(RuntimeError, match="chunked_loss=False") as error:
+        model(ids, labels=labels)
+    assert cls.__name__ in str(error.value)
+    return str(error.value)
+
+
 class OwnLogits(type(llama())):  # type: ignore[misc]
     """A causal LM whose forward computes the logits without its head, then their loss."""
 
@@ -164,13 +174,7 @@ class OwnLogits(type(llama())):  # type: ignore[misc]
 
 
 def test_a_model_that_computes_its_loss_without_its_head_is_refused() -> None:
-    torch.manual_seed(0)
-    model = OwnLogits(llama().config)
-    tie_output_embeddings(model, chunked_loss=True)
-    ids, labels = batch()
-    with pytest.raises(RuntimeError, match="chunked_loss=False") as error:
-        model(ids, labels=labels)
-    assert "OwnLogits" in str(error.value)
+    refusal_of(OwnLogits)
 
 
 class Passes(type(llama())):  # type: ignore[misc]
@@ -194,14 +198,7 @@ class Passes(type(llama())):  # type: ignore[misc]
 
 @pytest.mark.parametrize("change", ["labels", "ignore_index", "num_items_in_batch", "shift_labels"])
 def test_a_model_that_gives_its_loss_other_labels_or_options_is_refused(change: str) -> None:
-    torch.manual_seed(0)
-    model = Passes(llama().config)
-    model.change = change
-    tie_output_embeddings(model, chunked_loss=True)
-    ids, labels = batch()
-    with pytest.raises(RuntimeError, match="chunked_loss=False") as error:
-        model(ids, labels=labels)
-    assert "Passes" in str(error.value)
+    refusal_of(Passes, change=change)
 
 
 class Slices(type(llama())):  # type: ignore[misc]
@@ -238,24 +235,11 @@ class Twice(type(llama())):  # type: ignore[misc]
 def test_a_model_that_takes_its_loss_otherwise_than_once_through_loss_function_is_refused(
     cls: type,
 ) -> None:
-    torch.manual_seed(0)
-    model = cls(llama().config)
-    tie_output_embeddings(model, chunked_loss=True)
-    ids, labels = batch()
-    with pytest.raises(RuntimeError, match="loss_function") as error:
-        model(ids, labels=labels)
-    assert cls.__name__ in str(error.value)
-    assert "chunked_loss=False" in str(error.value)
+    assert "loss_function" in refusal_of(cls)
 
 
 def test_a_model_that_takes_the_loss_of_a_slice_of_the_logits_is_refused() -> None:
-    torch.manual_seed(0)
-    model = Slices(llama().config)
-    tie_output_embeddings(model, chunked_loss=True)
-    ids, labels = batch()
-    with pytest.raises(RuntimeError, match="chunked_loss=False") as error:
-        model(ids, labels=labels)
-    assert "Slices" in str(error.value)
+    refusal_of(Slices)
 
 
 def test_switching_finds_the_wrapper_under_another_wrapper_of_the_forward() -> None:
@@ -384,20 +368,6 @@ def test_a_copy_or_a_pickle_of_the_model_computes_the_loss_in_its_own_head() -> 
         assert model.get_input_embeddings().weight.grad is None
 
 
-def cohere() -> CohereForCausalLM:
-    config = CohereConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        logit_scale=0.25,
-    )
-    return CohereForCausalLM(config)
-
-
 def test_a_model_that_scales_its_logits_before_the_loss_is_refused_at_the_forward() -> None:
     torch.manual_seed(0)
     model = cohere()  # multiplies the logits by config.logit_scale before its loss
@@ -457,35 +427,12 @@ def test_a_head_replaced_by_another_module_is_refused_with_labels() -> None:
     assert model(ids).logits.shape == (2, 9, VOCAB)
 
 
-def mixtral() -> MixtralForCausalLM:
-    config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        tie_word_embeddings=True,
-        output_router_logits=True,
-        router_aux_loss_coef=0.5,
-    )
-    return MixtralForCausalLM(config)
-
-
 def test_a_mixture_of_experts_adds_its_routers_loss_as_on_the_stock_model() -> None:
     """The model adds ``router_aux_loss_coef * aux_loss`` to what its loss_function returns."""
     stock, model, _ = stock_and_lean(mixtral)
     ids, labels = batch()
-    expected, actual = stock(ids, labels=labels), model(ids, labels=labels)
-    assert actual.logits is None
-    assert actual.aux_loss is not None
-    torch.testing.assert_close(actual.aux_loss, expected.aux_loss)
-    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-5)
-    expected.loss.backward()
-    actual.loss.backward()
-    assert_same_gradients(model, stock)
+    actual = assert_the_stock_loss_and_gradients(stock, model, ids, labels=labels)
+    assert actual.aux_loss is not None  # type: ignore[attr-defined]
 
 
 def test_out_of_training_mode_the_forward_gives_the_logits_and_their_loss(build: Callable) -> None:
@@ -499,23 +446,6 @@ def test_out_of_training_mode_the_forward_gives_the_logits_and_their_loss(build:
     torch.testing.assert_close(actual.loss, expected.loss, rtol=0, atol=0)
     model.train()
     assert model(ids, labels=labels).logits is None
-
-
-def bart() -> BartForCausalLM:
-    config = BartConfig(
-        vocab_size=VOCAB,
-        d_model=16,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
-        max_position_embeddings=64,
-        dropout=0.0,
-        tie_word_embeddings=True,
-    )
-    return BartForCausalLM(config)
 
 
 def test_a_model_that_computes_its_loss_without_loss_function_is_refused_at_the_forward() -> None:
@@ -580,34 +510,11 @@ def test_compiled_with_fullgraph_it_gives_the_stock_loss_and_refuses_a_scaled_mo
     assert "CohereForCausalLM" in str(error.value)
 
 
-def gemma4() -> Gemma4ForConditionalGeneration:
-    """A model whose soft-cap is in its text config, not at the top of its config."""
-    text = Gemma4TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=64,
-        final_logit_softcapping=3.0,  # small, so that it changes the loss much
-    )
-    return Gemma4ForConditionalGeneration(
-        Gemma4Config(text_config=text, vision_config=None, audio_config=None)
-    )
-
-
 def test_a_soft_cap_in_the_text_config_is_applied_as_on_the_stock_model() -> None:
     stock, model, _ = stock_and_lean(gemma4)
     assert getattr(model.config, "final_logit_softcapping", None) is None
     ids, labels = batch()
-    expected, actual = stock(ids, labels=labels), model(ids, labels=labels)
-    assert actual.logits is None
-    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-5)
-    expected.loss.backward()
-    actual.loss.backward()
-    assert_same_gradients(model, stock)
+    assert_the_stock_loss_and_gradients(stock, model, ids, labels=labels)
 
 
 def test_a_loss_function_set_on_the_model_is_kept_after_the_call() -> None:
