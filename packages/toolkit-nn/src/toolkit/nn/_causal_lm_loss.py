@@ -16,6 +16,8 @@ from toolkit.nn._tied_linear import TiedLinear
 # What the head returns in place of the logits: a value that the transforms a model may make
 # before its loss (a scale, a shift, a soft-cap) all move, whatever the loss.
 PROBE = 8.0
+# The keywords of transformers' causal LM loss that the head's loss takes from the call.
+OPTIONS = ("ignore_index", "shift_labels", "num_items_in_batch")
 
 
 class LossRequest:
@@ -93,8 +95,7 @@ class LossRequest:
                 "chunked_loss computes it; tie it with chunked_loss=False"
             )
         same = labels is self.labels and all(
-            options.get(name) is self.options.get(name)
-            for name in ("ignore_index", "shift_labels", "num_items_in_batch")
+            options.get(name) is self.options.get(name) for name in OPTIONS
         )
         if not same:
             raise RuntimeError(
@@ -145,9 +146,9 @@ class ChunkedLossForward:
             return forward(*args, **kwargs)  # which raises the TypeError Python would
         kwargs.update(named)
         if torch.compiler.is_compiling():
-            return self.lean_forward(forward, labels, kwargs)
+            return self.lean_forward(kwargs)
         with self.lock:
-            return self.lean_forward(forward, labels, kwargs)
+            return self.lean_forward(kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if k != "lock"}  # a lock does not copy
@@ -155,10 +156,8 @@ class ChunkedLossForward:
     def __setstate__(self, state: dict[str, Any]) -> None:
         vars(self).update(state, lock=threading.Lock())
 
-    def lean_forward(
-        self, forward: Callable[..., Any], labels: torch.Tensor, kwargs: dict[str, Any]
-    ) -> Any:  # noqa: ANN401 - the model's
-        """The model's forward with its loss taken in the head, and no logits returned."""
+    def lean_forward(self, kwargs: dict[str, Any]) -> Any:  # noqa: ANN401 - the model's
+        """The model's forward of ``kwargs`` (labels among them), the loss from the head."""
         model: Any = self.model
         kind = type(model).__name__
         _check_loss_function(model)
@@ -167,15 +166,14 @@ class ChunkedLossForward:
             raise _adapted_head_error(kind, self.path, head)
         config = model.config
         softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
-        names = ("ignore_index", "shift_labels", "num_items_in_batch")
-        options = {name: kwargs[name] for name in names if name in kwargs}
-        request = LossRequest(labels, options, softcap, kind)
+        options = {name: kwargs[name] for name in OPTIONS if name in kwargs}
+        request = LossRequest(kwargs["labels"], options, softcap, kind)
         return_dict = kwargs.pop("return_dict", None)  # the output is rebuilt below
         own = vars(model).get("_loss_function")  # a loss_function set on the model
         try:
             with head.loss_requested(request):
                 vars(model)["_loss_function"] = request.take
-                output = forward(**kwargs)
+                output = self.__wrapped__(**kwargs)
         except Exception as error:
             if request.answered is None or request.calls:
                 raise  # not from the probe in the logits' place
