@@ -526,3 +526,43 @@ def test_a_loss_function_set_on_the_model_is_kept_after_the_call() -> None:
     actual = model(ids, labels=labels)
     torch.testing.assert_close(actual.loss, stock(ids, labels=labels).loss, rtol=1e-5, atol=1e-5)
     assert vars(model)["_loss_function"] is ForCausalLMLoss
+
+
+def test_a_frozen_tied_weight_under_weight_decay_stays_and_the_rest_trains_as_stock() -> None:
+    stock, model, head = stock_and_lean(llama)
+    head.requires_grad_(False)  # freezes the embedding's weight: the head's is the same one
+    stock.get_input_embeddings().weight.requires_grad_(False)
+    frozen = model.get_input_embeddings().weight.detach().clone()
+    ids, labels = batch()
+    optimizers = [
+        torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (stock, model)
+    ]
+    for _ in range(2):
+        assert_the_stock_loss_and_gradients(stock, model, ids, labels=labels)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert torch.equal(model.get_input_embeddings().weight, frozen)
+    torch.testing.assert_close(
+        dict(model.named_parameters()), dict(stock.named_parameters()), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_float16_with_a_loss_scale_gives_the_stock_scaled_gradients() -> None:
+    """As GradScaler does: the loss times 65536, then backward, in float16 weights."""
+    stock, model, _ = stock_and_lean(llama)
+    stock, model = stock.to(torch.float16), model.to(torch.float16)
+    ids, labels = batch()
+    expected, actual = stock(ids, labels=labels), model(ids, labels=labels)
+    assert actual.loss.dtype == expected.loss.dtype == torch.float32
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-3, atol=1e-3)
+    (expected.loss * 65536.0).backward()
+    (actual.loss * 65536.0).backward()
+    for grad in gradients(model).values():
+        assert torch.isfinite(grad).all()
+    torch.testing.assert_close(
+        gradients(model),
+        {k: v for k, v in gradients(stock).items() if k != "lm_head.weight"},
+        rtol=2e-2,
+        atol=2.0,
+    )
