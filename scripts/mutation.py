@@ -86,6 +86,23 @@ SLOW_SELECTION = ("-k", "compile or distributed")
 # An upper bound on one slow run; the multi-rank launches bound themselves well below it.
 SLOW_TIMEOUT_S = 1200.0
 
+# The settings every outcome depends on, as globs under the repository (setup_digest), and
+# the environment variables the tests, torch and Hypothesis read; TOOLKIT_PYTHON only picks
+# the interpreter, which the noxfile pins.
+SETTINGS = (
+    "pyproject.toml",
+    "packages/*/pyproject.toml",
+    "constraints.txt",
+    "noxfile.py",
+    "pytest.ini",
+    "tests/**/pytest.ini",
+    "scripts/mutation.py",
+)
+# The methods that constructing a class runs, which its name reaches (index_sources).
+CONSTRUCTION = frozenset({"__new__", "__init__", "__post_init__", "__init_subclass__"})
+ENVIRONMENT = ("TOOLKIT_", "HYPOTHESIS_", "PYTEST_", "TORCH", "OMP_", "CUDA_")
+UNREAD = frozenset({"TOOLKIT_PYTHON"})
+
 # mutmut's statuses: which count as detected, and which send a mutant to the slow pass.
 DETECTED = frozenset({"killed", "timeout", "segfault", "caught by type check"})
 UNDETECTED = frozenset({"survived", "no tests", "suspicious"})
@@ -280,6 +297,106 @@ def generate_mutants(sources: Mapping[str, Path]) -> list[Mutant]:
     return mutants
 
 
+def _forwards_to(
+    node: ast.FunctionDef | ast.AsyncFunctionDef, owner: str, module: str
+) -> str | None:
+    """The function ``node`` forwards to, or None if it does more than forward.
+
+    Forwarding is one statement (a docstring aside) that calls a function of ``module``, or a
+    method of ``owner`` through ``self`` or ``cls``, with the function's own arguments as they
+    came, and returns what it returns, yields from it, or nothing.
+    """
+    body = _without_docstring(node.body)
+    statement = body[0] if len(body) == 1 else None
+    call = statement.value if isinstance(statement, ast.Return | ast.Expr) else None
+    if isinstance(call, ast.YieldFrom):  # a generator's, as under contextlib.contextmanager
+        call = call.value
+    if not isinstance(call, ast.Call):
+        return None
+    params = {a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]}
+    values = [*call.args, *(k.value for k in call.keywords)]
+    if not all(isinstance(v, ast.Name) and v.id in params for v in values):
+        return None
+    if isinstance(call.func, ast.Name):
+        return f"{module}.{call.func.id}"
+    function = call.func
+    if isinstance(function, ast.Attribute) and isinstance(function.value, ast.Name):
+        return f"{owner}.{function.attr}" if function.value.id in ("self", "cls") else None
+    return None
+
+
+def unmutated(sources: Mapping[str, Path], mutants: Iterable[Mutant]) -> list[str]:
+    """The functions that mutation would miss, each with what to do; none in a sound run.
+
+    mutmut makes no mutant of a decorated function (but for ``staticmethod``, ``classmethod``
+    and the signatures of ``typing.overload``: a property, ``torch.no_grad()``) or of a name
+    it never mutates
+    (``__setattr__``). Such a function must only forward (``_forwards_to``) to a plain one
+    that has mutants. Every public function (named in its module's ``__all__``) and every
+    public or special method of a public class must have mutants, or forward to one that has.
+    """
+    from mutmut.mutation.file_mutation import NEVER_MUTATE_FUNCTION_NAMES  # noqa: PLC0415
+
+    mutated = {mutant.function for mutant in mutants}
+    problems: list[str] = []
+
+    def check(node: ast.stmt, owner: str, module: str, public: bool) -> None:
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            return
+        name = f"{owner}.{node.name}"
+        decorators = {ast.unparse(d) for d in node.decorator_list}
+        if decorators & {"overload", "typing.overload"}:
+            return  # a signature for type checkers; the implementation follows it
+        plain = decorators - {"staticmethod", "classmethod"}
+        left_out = bool(plain) or node.name in NEVER_MUTATE_FUNCTION_NAMES
+        target = _forwards_to(node, owner, module)
+        if left_out and (target is None or target not in mutated):
+            problems.append(
+                f"{name}: mutation leaves it out (a decorator, or a name mutmut never mutates); "
+                "move its body into a plain function or method that it only forwards to"
+            )
+        elif public and name not in mutated and target not in mutated:
+            problems.append(f"{name}: public, and no mutant reaches its code")
+
+    for rel, path in sources.items():
+        module = module_name(rel)
+        tree = ast.parse(path.read_text())
+        exported = {
+            value.value
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+            and isinstance(node.value, ast.List | ast.Tuple)
+            for value in node.value.elts
+            if isinstance(value, ast.Constant)
+        }
+        for node in tree.body:
+            check(node, module, module, node_name(node) in exported)
+            if isinstance(node, ast.ClassDef):
+                for method in node.body:
+                    shown_name = node_name(method)
+                    public = node.name in exported and (
+                        not shown_name.startswith("_") or shown_name.startswith("__")
+                    )
+                    check(method, f"{module}.{node.name}", module, public)
+    return problems
+
+
+def require_every_function_mutated(sources: Mapping[str, Path]) -> None:
+    """Stop the run, before anything runs, if ``unmutated`` finds a function mutation misses."""
+    missed = unmutated(sources, generate_mutants(sources))
+    for problem in missed:
+        print(f"UNMUTATED {problem}")
+    if missed:
+        raise SystemExit("mutation would miss the functions above")
+
+
+def node_name(node: ast.stmt) -> str:
+    """The name a definition binds, or an empty string for any other statement."""
+    definition = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    return node.name if definition else ""
+
+
 def slow_tests() -> list[str]:
     """The pytest arguments of the slow pass: single-process files first, then the rest."""
     args: list[str] = []
@@ -378,27 +495,169 @@ def files_digest(paths: Iterable[Path], root: Path) -> str:
     )
 
 
-def function_hashes(path: Path, module: str) -> dict[str, str]:
-    """Each function and method of ``path`` by qualified name, with the hash of its code.
+def _without_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
+    """``body`` without a leading docstring."""
+    first = body[0] if body else None
+    value = first.value if isinstance(first, ast.Expr) else None
+    return body[1:] if isinstance(value, ast.Constant) and isinstance(value.value, str) else body
 
-    The code is ``ast``'s dump of the function, decorators included, without its docstring:
-    a change of layout, a comment or a docstring does not change it. Same-named definitions
-    (a property's getter and setter) share one hash.
+
+@dataclass
+class Index:
+    """What the sources define, for the dependencies of each function's outcomes.
+
+    ``hashes``: each function and method by qualified name, with the hash of its code (``ast``'s
+    dump, decorators included, docstring left out; same-named definitions, a property's getter
+    and setter, share one). ``names``: the names each one may call by (``_read_names``).
+    ``modules``: each function's module. ``contexts``: each module's code outside its
+    functions' bodies (constants, class attributes, imports, signatures, decorators), hashed.
+    ``imports``: the package modules each module imports. ``defines``: for a simple name, the
+    functions it may call (same-named functions and methods, and what constructing a
+    same-named class runs).
     """
+
+    hashes: dict[str, str] = field(default_factory=dict)
+    names: dict[str, set[str]] = field(default_factory=dict)
+    modules: dict[str, str] = field(default_factory=dict)
+    contexts: dict[str, str] = field(default_factory=dict)
+    imports: dict[str, set[str]] = field(default_factory=dict)
+    defines: dict[str, set[str]] = field(default_factory=dict)
+
+
+def _read_names(node: ast.AST) -> set[str]:
+    """The names ``node`` may call by: names, its own attributes, strings that could name them.
+
+    An attribute counts when read from ``self``, ``cls`` or ``super()``; a method called on
+    another object (``tie.broadcast()``, beside ``dist.broadcast()``) is left to the calls
+    mutmut sees (``seen_calls``).
+    """
+    found: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            found.add(sub.id)
+        elif isinstance(sub, ast.Attribute) and _is_own(sub.value):
+            found.add(sub.attr)
+        elif isinstance(sub, ast.Constant) and str(sub.value).isidentifier():
+            found.add(str(sub.value))
+    return found
+
+
+def _is_own(value: ast.expr) -> bool:
+    """Whether ``value`` is ``self``, ``cls`` or ``super()``."""
+    if isinstance(value, ast.Call):
+        return isinstance(value.func, ast.Name) and value.func.id == "super"
+    return isinstance(value, ast.Name) and value.id in ("self", "cls")
+
+
+def _imported_modules(tree: ast.Module, module: str) -> set[str]:
+    """The absolute names of every module ``tree`` (the module ``module``) imports from."""
+    package = module.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            name = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            found |= {name, *(f"{name}.{alias.name}" for alias in node.names)}
+    return found
+
+
+def _visit(
+    index: Index,
+    dumps: dict[str, list[str]],
+    body: list[ast.stmt],
+    owner: str,
+    shell: list[ast.stmt],
+    module: str,
+) -> None:
+    """Index the functions of ``body`` (in ``owner``); empty their twins in ``shell``."""
+    for node, empty in zip(body, shell, strict=True):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            assert isinstance(empty, ast.FunctionDef | ast.AsyncFunctionDef)
+            code = copy.copy(node)
+            code.body = _without_docstring(node.body)
+            name = f"{owner}.{node.name}"
+            dumps.setdefault(name, []).append(ast.dump(code))
+            index.names.setdefault(name, set()).update(_read_names(node))
+            index.modules[name] = module
+            index.defines.setdefault(node.name, set()).add(name)
+            empty.body = []
+        elif isinstance(node, ast.ClassDef):
+            assert isinstance(empty, ast.ClassDef)
+            empty.body = _without_docstring(empty.body)
+            inner = _without_docstring(node.body)
+            _visit(index, dumps, inner, f"{owner}.{node.name}", empty.body, module)
+
+
+def index_sources(sources: Mapping[str, Path]) -> Index:
+    """The index of the sources (workspace path: file)."""
+    index = Index()
     dumps: dict[str, list[str]] = {}
+    imports: dict[str, set[str]] = {}
+    for rel, path in sources.items():
+        module = module_name(rel)
+        tree = ast.parse(path.read_text())
+        imports[module] = _imported_modules(tree, module)
+        context = copy.deepcopy(tree)
+        context.body = _without_docstring(context.body)
+        _visit(index, dumps, _without_docstring(tree.body), module, context.body, module)
+        index.contexts[module] = sha(ast.dump(context))[:16]
+    index.hashes = {name: sha("\n".join(parts))[:16] for name, parts in dumps.items()}
+    # A class's name reaches what constructing it runs; its other methods are reached by
+    # their names, or by the calls mutmut sees.
+    for name in index.hashes:
+        owner, _, method = name.rpartition(".")
+        if owner not in index.contexts and method in CONSTRUCTION:
+            index.defines.setdefault(owner.rpartition(".")[2], set()).add(name)
+    # ``import toolkit.nn`` runs the package's __init__.py.
+    index.imports = {
+        module: {m for name in found for m in (name, f"{name}.__init__") if m in index.contexts}
+        for module, found in imports.items()
+    }
+    return index
 
-    def visit(body: list[ast.stmt], owner: str) -> None:
-        for node in body:
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                code = copy.copy(node)
-                if ast.get_docstring(node) is not None:
-                    code.body = node.body[1:]
-                dumps.setdefault(f"{owner}.{node.name}", []).append(ast.dump(code))
-            elif isinstance(node, ast.ClassDef):
-                visit(node.body, f"{owner}.{node.name}")
 
-    visit(ast.parse(path.read_text()).body, module)
-    return {name: sha("\n".join(parts))[:16] for name, parts in dumps.items()}
+def function_hashes(path: Path, module: str) -> dict[str, str]:
+    """Each function and method of ``path`` by qualified name, with the hash of its code."""
+    return index_sources({f"src/{module.replace('.', '/')}.py": path}).hashes
+
+
+def dependencies(index: Index, calls: Mapping[str, Iterable[str]]) -> dict[str, str]:
+    """Each function's dependency digest: what its mutants' outcomes read besides the tests.
+
+    That is the code of every function it may call, transitively (a function or method named
+    in its code, what constructing a class named there runs, what mutmut saw it call, ``calls``),
+    and the context of every module those live in or import, transitively (``Index``). A
+    change to any of them changes the digest, so that no outcome that it could change is
+    reused.
+    """
+
+    def imported(modules: set[str]) -> set[str]:
+        todo, seen = list(modules), set(modules)
+        while todo:
+            for other in index.imports.get(todo.pop(), set()) - seen:
+                seen.add(other)
+                todo.append(other)
+        return seen
+
+    callees = {
+        name: {g for n in names for g in index.defines.get(n, ())} | set(calls.get(name, ()))
+        for name, names in index.names.items()
+    }
+    digests: dict[str, str] = {}
+    for function in index.hashes:
+        reached, todo = {function}, [function]
+        while todo:
+            for callee in callees.get(todo.pop(), set()) - reached:
+                if callee in index.hashes:
+                    reached.add(callee)
+                    todo.append(callee)
+        modules = imported({index.modules[f] for f in reached})
+        parts = [f"{f} {index.hashes[f]}" for f in sorted(reached)]
+        parts += [f"{m} {index.contexts[m]}" for m in sorted(modules)]
+        digests[function] = sha("\n".join(parts))[:16]
+    return digests
 
 
 def imported_helpers(path: Path, root: Path) -> set[Path]:
@@ -466,17 +725,27 @@ def slow_files(root: Path) -> set[Path]:
     return found | {p for p in data if "__pycache__" not in p.parts}
 
 
-def setup_digest(root: Path) -> str:
+def setup_digest(root: Path, env: Mapping[str, str] | None = None) -> str:
     """The digest of the settings that decide every outcome.
 
-    They are mutmut's, pytest's and Hypothesis's tables of ``pyproject.toml``, the pins of
-    ``constraints.txt`` and the slow pass's selection.
+    They are the files of ``SETTINGS`` (the root ``pyproject.toml`` whole, with its groups
+    and tool tables; each package's ``pyproject.toml`` but for its version; the pins, which
+    name torch's build; the noxfile; any ``pytest.ini``; this script), the environment
+    variables of ``ENVIRONMENT`` and the slow pass's selection.
     """
-    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]
-    settings = {name: tool.get(name) for name in ("mutmut", "pytest", "hypothesis")}
-    pins = root / "constraints.txt"
-    pinned = pins.read_text() if pins.is_file() else ""
-    return sha(json.dumps([settings, SLOW_SELECTION], sort_keys=True) + pinned)
+    env = os.environ if env is None else env
+    parts: list[str] = [json.dumps(SLOW_SELECTION)]
+    for pattern in SETTINGS:
+        for path in sorted(root.glob(pattern)):
+            text = path.read_text()
+            if path.parent.parent.name == "packages":
+                project = tomllib.loads(text)
+                project.get("project", {}).pop("version", None)
+                text = json.dumps(project, sort_keys=True)
+            parts.append(f"{path.relative_to(root).as_posix()}\n{text}")
+    variables = {k: v for k, v in env.items() if k.startswith(ENVIRONMENT) and k not in UNREAD}
+    parts.append(json.dumps(variables, sort_keys=True))
+    return sha("\0".join(parts))
 
 
 def listed_digest(equivalents: Iterable[Equivalent]) -> str:
@@ -494,6 +763,8 @@ class Inputs:
     sources: dict[str, str]  # repository path: SHA-256
     tests: dict[str, str]  # test file: digest of it and its dependencies
     functions: dict[str, str]  # qualified name: hash of its code
+    depends: dict[str, str] = field(default_factory=dict)  # qualified name: dependencies()
+    calls: dict[str, tuple[str, ...]] = field(default_factory=dict)  # mutmut saw, not named
 
 
 def take_inputs(
@@ -501,20 +772,26 @@ def take_inputs(
     sources: Mapping[str, Path],
     equivalents: Iterable[Equivalent],
     tests: Iterable[str] = (),
+    calls: Mapping[str, Iterable[str]] | None = None,
 ) -> Inputs:
-    """The inputs of the tree at ``root``: the fast selection's test files and ``tests``."""
+    """The inputs of the tree at ``root``: the fast selection's test files and ``tests``.
+
+    ``calls`` holds the calls mutmut saw that the functions' code does not name (those of the
+    ledger, or of this run's stats).
+    """
     files = {f.relative_to(root).as_posix(): f for f in fast_test_files(root)}
     files |= {t: root / t for t in tests if (root / t).is_file()}
-    functions: dict[str, str] = {}
-    for rel, path in sources.items():
-        functions |= function_hashes(path, module_name(rel))
+    index = index_sources(sources)
+    calls = {f: tuple(sorted(c)) for f, c in (calls or {}).items() if c}
     return Inputs(
         setup=setup_digest(root),
         slow=files_digest(slow_files(root), root),
         listed=listed_digest(equivalents),
         sources={path.relative_to(root).as_posix(): digest(path) for path in sources.values()},
         tests={t: files_digest(test_dependencies(f, root), root) for t, f in sorted(files.items())},
-        functions=functions,
+        functions=index.hashes,
+        depends=dependencies(index, calls),
+        calls=calls,
     )
 
 
@@ -524,6 +801,7 @@ class Record:
 
     hash: str
     tests: tuple[str, ...]
+    depends: str = ""  # dependencies(): what the outcomes read besides the function and tests
     fast: tuple[str, ...] = ()
     slow: tuple[str, ...] = ()
     equivalent: tuple[str, ...] = ()
@@ -572,9 +850,10 @@ def load_ledger(path: Path) -> Ledger | None:
     """The ledger at ``path``, or None if there is none; a malformed one stops the run.
 
     Well formed: TOML with hex digests ``setup``, ``slow`` and ``listed``; tables ``sources``
-    and ``tests`` of hex digests; and a table per function under ``functions`` with exactly a
-    hex ``hash`` and lists ``tests`` (each one in ``[tests]``), ``fast``, ``slow`` and
-    ``equivalent`` (mutant keys, each listed once in the function).
+    and ``tests`` of hex digests; a table ``calls`` of lists of function names; and a table per
+    function under ``functions`` with exactly hex ``hash`` and ``depends`` and lists ``tests``
+    (each one in ``[tests]``), ``fast``, ``slow`` and ``equivalent`` (mutant keys, each listed
+    once in the function).
     """
     if not path.is_file():
         return None
@@ -602,6 +881,7 @@ def load_ledger(path: Path) -> Ledger | None:
         "listed",
         "sources",
         "tests",
+        "calls",
         "functions",
     }
     if unknown:
@@ -613,13 +893,14 @@ def load_ledger(path: Path) -> Ledger | None:
         raise LedgerError(f"{path.name}: [functions] must hold a table per function")
     records: dict[str, Record] = {}
     for function, table in functions.items():
-        if set(table) != {"hash", "tests", *OUTCOMES}:
+        if set(table) != {"hash", "depends", "tests", *OUTCOMES}:
             raise LedgerError(
-                f"{path.name}: {function} must have hash, tests, {', '.join(OUTCOMES)}"
+                f"{path.name}: {function} must have hash, depends, tests, {', '.join(OUTCOMES)}"
             )
         what = f"the record of {function}"
-        lists = [strings(table[k], f"{what}: {k}") for k in ("tests", *OUTCOMES)]
-        record = Record(hexes({"hash": table["hash"]}, what)["hash"], *lists)
+        digests = hexes({k: table[k] for k in ("hash", "depends")}, what)
+        tests_of, *lists = [strings(table[k], f"{what}: {k}") for k in ("tests", *OUTCOMES)]
+        record = Record(digests["hash"], tests_of, digests["depends"], *lists)
         keys = record.keys()
         if not all(HEX.fullmatch(k) and n == 1 for k, n in keys.items()):
             raise LedgerError(f"{path.name}: {what}: mutant keys must be distinct hex digests")
@@ -627,9 +908,19 @@ def load_ledger(path: Path) -> Ledger | None:
             raise LedgerError(f"{path.name}: {what} names a test file missing from [tests]")
         records[function] = record
     sources = hexes(data.get("sources"), "[sources]")
-    functions_now = {f: r.hash for f, r in records.items()}
+    table = data.get("calls", {})
+    if not isinstance(table, dict):
+        raise LedgerError(f"{path.name}: [calls] must map function names to lists of them")
+    calls = {f: strings(c, f"the calls of {f}") for f, c in table.items()}
     inputs = Inputs(
-        header["setup"], header["slow"], header["listed"], sources, tests, functions_now
+        header["setup"],
+        header["slow"],
+        header["listed"],
+        sources,
+        tests,
+        {f: r.hash for f, r in records.items()},
+        {f: r.depends for f, r in records.items()},
+        calls,
     )
     return Ledger(inputs, records)
 
@@ -643,7 +934,8 @@ def write_ledger(path: Path, ledger: Ledger, score: str) -> None:
 
     lines = [
         "# Written by `nox -s mutation -- --record` after a run that passed (CONTRIBUTING.md,",
-        '# "Mutation testing"). `--incremental` reuses an outcome only where its function, the',
+        '# "Mutation testing"). `--incremental` reuses an outcome only where its function, what it',
+        "# depends on (the code it may call, the modules' constants and class attributes), the",
         "# test files that cover it and the settings hash as recorded here. A mutant's key is a",
         "# digest of its function, original line and mutated line (scripts/mutation.py).",
         score,
@@ -656,9 +948,14 @@ def write_ledger(path: Path, ledger: Ledger, score: str) -> None:
         "",
         "[tests]",
         *(f'{json.dumps(k)} = "{v}"' for k, v in sorted(ledger.inputs.tests.items())),
+        "",
+        "# The calls mutmut saw that the caller's code does not name.",
+        "[calls]",
+        *(f"{json.dumps(k)} = {strings(v)}" for k, v in sorted(ledger.inputs.calls.items())),
     ]
     for function, record in sorted(ledger.records.items()):
         lines += ["", f"[functions.{json.dumps(function)}]", f'hash = "{record.hash}"']
+        lines.append(f'depends = "{record.depends}"')
         lines += [f"{name} = {strings(getattr(record, name))}" for name in ("tests", *OUTCOMES)]
     path.write_text("\n".join(lines) + "\n")
 
@@ -673,6 +970,32 @@ def covering_tests(stats: Path, mutants: Iterable[Mutant]) -> dict[str, set[str]
         tests = by_function.get(mangled_name_from_mutant_name(mutant.name), [])
         covering.setdefault(mutant.function, set()).update(t.partition("::")[0] for t in tests)
     return covering
+
+
+def seen_calls(stats: Path, index: Index) -> dict[str, set[str]]:
+    """The calls between the package's functions that mutmut saw and the caller does not name.
+
+    mutmut's stats record, for each function its trampoline reached, the mutated functions
+    that called it (``function_dependencies``); a call the caller's code names is already a
+    dependency (``dependencies``), so only the others, such as ``module(x)`` reaching a
+    ``forward``, are kept.
+    """
+    from mutmut.utils.format_utils import get_module_from_key, parse_mutant_key  # noqa: PLC0415
+
+    def qualified(key: str) -> str:
+        module = get_module_from_key(key)
+        function, owner = parse_mutant_key(key.removeprefix(f"{module}."))
+        return ".".join(p for p in (module, owner, function) if p)
+
+    graph = json.loads(stats.read_text()).get("function_dependencies", {})
+    calls: dict[str, set[str]] = {}
+    for callee_key, callers in graph.items():
+        callee = qualified(callee_key)
+        for caller in map(qualified, callers):
+            named = {g for n in index.names.get(caller, ()) for g in index.defines.get(n, ())}
+            if callee in index.hashes and caller in index.hashes and callee not in named:
+                calls.setdefault(caller, set()).add(callee)
+    return calls
 
 
 def new_ledger(
@@ -690,6 +1013,7 @@ def new_ledger(
         function: Record(
             inputs.functions.get(function, "0" * 16),
             tuple(sorted(covering.get(function, ()))),
+            inputs.depends.get(function, "0" * 16),
             *(
                 tuple(sorted(keys[m.name] for m in ms if m.function == function))
                 for ms in sorted_out.values()
@@ -720,6 +1044,8 @@ def why_run(ledger: Ledger | None, function: str, now: Inputs) -> str | None:
         return "the settings or pins changed"
     if now.functions.get(function) != record.hash:
         return "its code changed"
+    if now.depends.get(function) != record.depends:
+        return "what it depends on changed: a function it may call, or a module's constants"
     changed = [t for t in record.tests if now.tests.get(t) != ledger.inputs.tests[t]]
     return f"a test that covers it changed: {changed[0]}" if changed else None
 
@@ -909,7 +1235,12 @@ def judge(
 
 def unchanged(ledger: Ledger | None, now: Inputs) -> bool:
     """Whether every input the ledger records is as it is now, so that nothing need run."""
-    return ledger is not None and replace(ledger.inputs, functions={}) == replace(now, functions={})
+    if ledger is None:
+        return False
+    # The sources' digests stand for the functions' code and what they depend on.
+    return replace(ledger.inputs, functions={}, depends={}) == replace(
+        now, functions={}, depends={}
+    )
 
 
 def plan_incremental(
@@ -950,19 +1281,26 @@ def incremental_fast_pass(
     With ``only_list`` it prints the functions that run in full and stops there.
     """
     ledger = load_ledger(LEDGER)
-    now = take_inputs(ROOT, sources, equivalents, ledger.inputs.tests if ledger else ())
+    now = take_inputs(
+        ROOT,
+        sources,
+        equivalents,
+        ledger.inputs.tests if ledger else (),
+        ledger.inputs.calls if ledger else None,
+    )
     if unchanged(ledger, now):
         print(f"nothing differs from {shown(LEDGER)}: nothing to mutate")
         return None
     if ledger is None or ledger.inputs.setup != now.setup:
         print("no ledger" if ledger is None else "the settings or pins changed", end="")
         print(": every mutant runs")
-    else:
-        whole = {f: why for f in now.functions if (why := why_run(ledger, f, now))}
-        print("functions to mutate in full:", *(f"{f} ({w})" for f, w in whole.items()), sep="\n  ")
-        print("and each recorded mutant whose listing, slow tests or covering tests changed")
+    # Listed one by one in every case: CI counts them against its budget.
+    whole = {f: why for f in now.functions if (why := why_run(ledger, f, now))}
+    print("functions to mutate in full:", *(f"{f} ({w})" for f, w in whole.items()), sep="\n  ")
+    print("and each recorded mutant whose listing, slow tests or covering tests changed")
     if only_list:
         return None
+    require_every_function_mutated(sources)
     mutants = generate_mutants(sources)
     plan = plan_incremental(ledger, now, mutants, equivalents)
     print(f"reusing {len(plan.reused)} recorded outcomes; running {len(plan.run)} mutants")
@@ -984,7 +1322,8 @@ def record(sources: dict[str, Path], equivalents: Sequence[Equivalent], outcome:
         f"killed = {len(outcome.fast_killed) + len(outcome.slow_killed)}\n"
         f"equivalent = {len(outcome.equivalent)}"
     )
-    inputs = take_inputs(ROOT, sources, equivalents)
+    calls = seen_calls(WORKSPACE / STATS, index_sources(sources))
+    inputs = take_inputs(ROOT, sources, equivalents, calls=calls)
     write_ledger(LEDGER, new_ledger(inputs, outcome, covering), score)
     print(f"recorded in {shown(LEDGER)}")
 
@@ -1032,6 +1371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("mutating:", *selected, sep="\n  ")
         if options.list:
             return 0
+        require_every_function_mutated(sources)
         if not options.reuse:
             lay_out_workspace(sources)
             mutmut_run([], options.max_children)

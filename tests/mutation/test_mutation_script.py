@@ -507,9 +507,10 @@ def test_recording_an_incremental_run_merges_what_it_ran_into_the_ledger(
 def test_when_no_outcome_is_in_doubt_but_a_source_changed_the_listed_mutants_run(
     mutation: ModuleType, tree: Path, mutants: list[Any], listed: list[Any]
 ) -> None:
-    # A change outside every function: mutmut's stats of a run tell which tests reach what.
+    # A change that no function's code or context sees (a comment): mutmut's stats of a run
+    # tell which tests reach what.
     ledger = _record(mutation, tree, mutants, listed)
-    (tree / "packages/toolkit-x/src/toolkit/x/m.py").write_text(MODULE + "LIMIT = 3\n")
+    (tree / "packages/toolkit-x/src/toolkit/x/m.py").write_text(MODULE + "# LIMIT = 3\n")
     now = mutation.take_inputs(tree, mutation.source_files(tree), listed, ledger.inputs.tests)
     assert not mutation.unchanged(ledger, now)
     plan = mutation.plan_incremental(ledger, now, mutants, listed)

@@ -161,6 +161,10 @@ class _ModelHead(nn.Linear, TiedLinear):
     @contextlib.contextmanager
     def loss_requested(self, request: LossRequest) -> Iterator[None]:
         """Within the block, the head's next call answers ``request`` instead of the logits."""
+        yield from self._answering(request)
+
+    def _answering(self, request: LossRequest) -> Iterator[None]:
+        # Apart from the decorated method, which mutation testing leaves out.
         self._request = request
         try:
             yield
@@ -180,6 +184,10 @@ class _ModelHead(nn.Linear, TiedLinear):
         return TiedLinear.__repr__(self)
 
     def __setattr__(self, name: str, value: Any) -> None:  # noqa: ANN401 - as Module's
+        self._set_attribute(name, value)
+
+    def _set_attribute(self, name: str, value: Any) -> None:  # noqa: ANN401 - as Module's
+        # Apart from __setattr__, which mutation testing leaves out.
         if name == "weight":  # nn.Module's would say the attribute already exists
             raise AttributeError(
                 "the tied head's weight is the input embeddings' weight, read live, and cannot "
