@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import json
 import sys
 import tomllib
 from collections import Counter
@@ -537,3 +538,264 @@ def test_a_mutant_of_a_signature_is_named_as_mutmut_shows_it(
     changes = {(m.function, m.line, m.mutant) for m in mutants}
     signature = "def g(a: int = {}) -> int:"
     assert ("toolkit.nn._x.g", signature.format(1), signature.format(2)) in changes
+
+
+# Soundness: an outcome depends on more than its function's code. A second module, whose
+# functions call each other, read a constant and a class attribute, and call an object.
+
+LAYERED = """\
+from toolkit.x.m import g
+
+LIMIT = 3
+
+
+def top(a):
+    return middle(a) + g(a)
+
+
+def middle(a):
+    return a if a < LIMIT else LIMIT
+
+
+def alone(a):
+    return -a
+
+
+def apply(module, a):
+    return module(a)
+
+
+class D:
+    scale = 2
+
+    def __call__(self, a):
+        return a * self.scale
+"""
+
+LAYERED_SRC = "packages/toolkit-x/src/toolkit/x/n.py"
+
+
+@pytest.fixture
+def layered(mutation: ModuleType, tree: Path) -> list[Any]:
+    """The second module in ``tree``, and one mutant of each of its functions."""
+    (tree / LAYERED_SRC).write_text(LAYERED)
+    (tree / "tests/x/test_n.py").write_text("def test_n(): ...\n")
+    changes = {
+        "top": ("return middle(a) + g(a)", "return middle(a) - g(a)"),
+        "middle": ("return a if a < LIMIT else LIMIT", "return a if a <= LIMIT else LIMIT"),
+        "alone": ("return -a", "return a"),
+        "apply": ("return module(a)", "return module(None)"),
+        "__call__": ("return a * self.scale", "return a / self.scale"),
+    }
+    found = []
+    for function, (line, changed) in changes.items():
+        local = f"x\u01c1D\u01c1{function}" if function == "__call__" else f"x_{function}"
+        qualname = f"toolkit.x.n.{'D.' if function == '__call__' else ''}{function}"
+        name = f"toolkit.x.n.{local}__mutmut_1"
+        found.append(mutation.Mutant(name, "src/toolkit/x/n.py", qualname, line, changed))
+    return found
+
+
+def _record_killed(
+    mutation: ModuleType, root: Path, mutants: list[Any], calls: dict[str, list[str]]
+) -> Any:
+    """Record every mutant of ``mutants`` as killed, with the calls mutmut saw, and read back."""
+    outcome = mutation.Outcome(total=len(mutants), fast_killed=list(mutants))
+    covering = {m.function: {"tests/x/test_n.py"} for m in mutants}
+    inputs = mutation.take_inputs(root, mutation.source_files(root), [], calls=calls)
+    mutation.write_ledger(
+        root / "ledger.toml", mutation.new_ledger(inputs, outcome, covering, root), "mutants = 5"
+    )
+    return mutation.load_ledger(root / "ledger.toml")
+
+
+def _layered_to_run(mutation: ModuleType, root: Path, ledger: Any, mutants: list[Any]) -> set[str]:
+    """The functions whose mutants an incremental run over ``root`` as it is now would run."""
+    now = mutation.take_inputs(
+        root, mutation.source_files(root), [], ledger.inputs.tests, ledger.inputs.calls
+    )
+    plan = mutation.plan_run(ledger, now, mutants, [])
+    return {m.function.rpartition(".")[2] for m in plan.run}
+
+
+def test_changing_a_callee_reruns_its_callers_and_no_other_function(
+    mutation: ModuleType, tree: Path, layered: list[Any]
+) -> None:
+    ledger = _record_killed(mutation, tree, layered, {})
+    assert _layered_to_run(mutation, tree, ledger, layered) == set()
+    _edit(tree, LAYERED_SRC, "return a if a < LIMIT", "return a if LIMIT > a")
+    assert _layered_to_run(mutation, tree, ledger, layered) == {"middle", "top"}
+
+
+def test_changing_a_callee_in_another_module_reruns_its_callers(
+    mutation: ModuleType, tree: Path, layered: list[Any]
+) -> None:
+    ledger = _record_killed(mutation, tree, layered, {})
+    _edit(tree, "packages/toolkit-x/src/toolkit/x/m.py", "a * 2", "2 * a")
+    assert _layered_to_run(mutation, tree, ledger, layered) == {"top"}
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("LIMIT = 3", "LIMIT = 4"), ("scale = 2", "scale = 3")],
+    ids=["constant", "class"],
+)
+def test_changing_a_module_constant_or_class_attribute_reruns_the_module(
+    mutation: ModuleType, tree: Path, layered: list[Any], old: str, new: str
+) -> None:
+    ledger = _record_killed(mutation, tree, layered, {})
+    _edit(tree, LAYERED_SRC, old, new)
+    # Every function of the module, and of a module that imports it (none here).
+    assert _layered_to_run(mutation, tree, ledger, layered) == {
+        "top",
+        "middle",
+        "alone",
+        "apply",
+        "__call__",
+    }
+
+
+def test_a_call_that_mutmut_saw_and_the_code_does_not_name_reruns_the_caller(
+    mutation: ModuleType, tree: Path, layered: list[Any]
+) -> None:
+    # apply(module, a) calls D.__call__ through its argument: only the run sees that call.
+    unseen = _record_killed(mutation, tree, layered, {})
+    seen = _record_killed(
+        mutation, tree, layered, {"toolkit.x.n.apply": ["toolkit.x.n.D.__call__"]}
+    )
+    assert seen.inputs.calls == {"toolkit.x.n.apply": ("toolkit.x.n.D.__call__",)}
+    _edit(tree, LAYERED_SRC, "return a * self.scale", "return self.scale * a")
+    assert _layered_to_run(mutation, tree, unseen, layered) == {"__call__"}
+    assert _layered_to_run(mutation, tree, seen, layered) == {"__call__", "apply"}
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("noxfile.py", "PYTHON = '3.12'\n"),
+        ("scripts/mutation.py", "SLOW_TIMEOUT_S = 60.0\n"),
+        ("tests/pytest.ini", "[pytest]\naddopts = -p no:randomly\n"),
+        ("packages/toolkit-x/pyproject.toml", '[project]\ndependencies = ["torch==2.12"]\n'),
+        ("constraints.txt", "torch==2.12.0\n"),
+    ],
+)
+def test_changing_a_setting_reruns_everything(
+    mutation: ModuleType, tree: Path, layered: list[Any], name: str, text: str
+) -> None:
+    ledger = _record_killed(mutation, tree, layered, {})
+    (tree / name).parent.mkdir(parents=True, exist_ok=True)
+    (tree / name).write_text(text)
+    assert len(_layered_to_run(mutation, tree, ledger, layered)) == len(layered)
+
+
+def test_the_environment_the_tests_read_is_a_setting(
+    mutation: ModuleType, tree: Path, layered: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TOOLKIT_TEST_DEVICES", raising=False)
+    ledger = _record_killed(mutation, tree, layered, {})
+    # The interpreter the noxfile pins is no setting of its own.
+    monkeypatch.setenv("TOOLKIT_PYTHON", "3.11")
+    assert _layered_to_run(mutation, tree, ledger, layered) == set()
+    monkeypatch.setenv("TOOLKIT_TEST_DEVICES", "cpu,cuda")
+    assert len(_layered_to_run(mutation, tree, ledger, layered)) == len(layered)
+
+
+def test_a_package_release_alone_reruns_nothing(
+    mutation: ModuleType, tree: Path, layered: list[Any]
+) -> None:
+    pyproject = tree / "packages/toolkit-x/pyproject.toml"
+    pyproject.write_text('[project]\nname = "toolkit-x"\nversion = "3.58.0"\n')
+    ledger = _record_killed(mutation, tree, layered, {})
+    _edit(tree, "packages/toolkit-x/pyproject.toml", "3.58.0", "3.59.0")
+    assert _layered_to_run(mutation, tree, ledger, layered) == set()
+
+
+def test_the_calls_kept_from_mutmuts_stats_are_those_the_code_does_not_name(
+    mutation: ModuleType, tree: Path, layered: list[Any]
+) -> None:
+    stats = tree / "stats.json"
+    graph = {
+        # callee: its callers, by mutmut's names
+        "toolkit.x.n.x_middle": ["toolkit.x.n.x_top"],
+        "toolkit.x.n.x\u01c1D\u01c1__call__": ["toolkit.x.n.x_apply"],
+        "outside.x_f": ["toolkit.x.n.x_top"],
+    }
+    stats.write_text(json.dumps({"function_dependencies": graph}))
+    index = mutation.index_sources(mutation.source_files(tree))
+    assert mutation.seen_calls(stats, index) == {"toolkit.x.n.apply": {"toolkit.x.n.D.__call__"}}
+
+
+# Every function's code is mutated: what mutmut leaves out must only forward to what it mutates.
+
+HIDING = """\
+from typing import overload
+
+__all__ = ["Public", "exported", "empty"]
+
+
+def exported(a):
+    return a + 1
+
+
+def empty():
+    pass
+
+
+class Public:
+    def __init__(self):
+        self.x = 1
+
+    @property
+    def forwarded(self):
+        return self._forwarded()
+
+    def _forwarded(self):
+        return self.x + 1
+
+    @property
+    def hidden(self):
+        return self.x + 2
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value or 1)
+
+    @property
+    def with_literal(self):
+        return self._plus(3)
+
+    def _plus(self, b):
+        return self.x + b
+
+    @overload
+    def get(self, key: int) -> int: ...
+    @overload
+    def get(self, key: str) -> str: ...
+    def get(self, key):
+        return key * 2
+
+
+class _Private:
+    @staticmethod
+    def fine(a):
+        return a - 1
+
+    @property
+    def secret(self):
+        return 4 + 4
+"""
+
+
+def test_code_that_mutation_would_miss_is_named(mutation: ModuleType, tmp_path: Path) -> None:
+    source = tmp_path / "_x.py"
+    source.write_text(HIDING)
+    sources = {"src/toolkit/nn/_x.py": source}
+    found = mutation.unmutated(sources, mutation.generate_mutants(sources))
+    missed = sorted(problem.partition(":")[0].rpartition(".")[2] for problem in found)
+    # A decorated or never-mutated function that does more than forward its own arguments,
+    # and a public function that no mutant reaches.
+    assert missed == ["__setattr__", "empty", "hidden", "secret", "with_literal"]
+
+
+def test_every_function_of_the_packages_is_mutated(mutation: ModuleType) -> None:
+    sources = mutation.source_files()
+    assert mutation.unmutated(sources, mutation.generate_mutants(sources)) == []
