@@ -1,4 +1,5 @@
-"""create_entries in one process, and what both entry functions refuse on one rank.
+"""create_entries in one process; what both entry functions refuse on one rank, and what
+sync_entries passes to a model's own code there.
 
 sync_entries across ranks is tested in ``test_sync_entries_ranks.py``.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -242,3 +244,36 @@ def test_on_one_rank_sync_entries_keeps_every_value_sending_contiguous_tensors(
     assert not model.heads["a"].weight.is_contiguous()
     for name, tensor in before.items():
         assert torch.equal(model.state_dict()[name], tensor), name
+
+
+# What sync_entries gives a model's own code ---------------------------------------------------
+
+
+class Checked(nn.Linear):
+    """An entry whose ``named_modules`` checks the types of its arguments, as a runtime type
+    checker (typeguard, beartype) does."""
+
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        if not isinstance(remove_duplicate, bool):
+            raise TypeError(f"remove_duplicate must be a bool, not {remove_duplicate!r}")
+        return super().named_modules(memo, prefix, remove_duplicate)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_sync_entries_gives_named_modules_the_bools_torch_documents() -> None:
+    """A module may check what its ``named_modules`` is given: such an entry is synchronised
+    as any other, and one registered under two names is refused for that, not a TypeError."""
+    model = Model()
+    model.heads = ModuleDefaultDict(functools.partial(Checked, 2, 2))
+    model.heads["a"]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert sync_entries(model) == []
+    assert list(model.state_dict()) == list(before)
+    for name, tensor in before.items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    model.heads["b"] = model.heads["a"]
+    with pytest.raises(ValueError, match=r"^sync_entries: rank 0: heads\.a and heads\.b are one "):
+        sync_entries(model)
+    assert list(model.heads) == ["a", "b"]
