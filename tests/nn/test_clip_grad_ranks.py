@@ -402,6 +402,42 @@ def test_foreach_true_with_gradients_where_foreach_kernels_are_missing_is_refuse
     assert run_threads(2, rank_main) == [str(info.value)] * 2
 
 
+@pytest.mark.parametrize("meta_first", [False, True], ids=["cpu-first", "meta-first"])
+def test_gradients_on_two_devices_raise_torchs_error_and_nothing_is_scaled(
+    meta_first: bool,
+) -> None:
+    """The meshes' norms are combined on the device of the first, as torch combines its
+    devices' norms: a CPU gradient beside a meta one raises torch's error for the same
+    gradients as plain tensors (a meta tensor's value cannot be copied to the CPU), whichever
+    comes first, before any gradient changes."""
+
+    def ordered(cpu: nn.Parameter, meta: nn.Parameter) -> list[nn.Parameter]:
+        return [meta, cpu] if meta_first else [cpu, meta]
+
+    def meta_bias() -> nn.Parameter:
+        bias = nn.Parameter(torch.zeros(2, device="meta"))
+        bias.grad = torch.ones(2, device="meta")
+        return bias
+
+    plain = nn.Parameter(torch.zeros(4))
+    plain.grad = torch.tensor([1.0, 2.0, 2.0, 4.0])
+    with pytest.raises(NotImplementedError) as info:
+        torch.nn.utils.clip_grad_norm_(ordered(plain, meta_bias()), 1.0)
+
+    def rank_main(rank: int) -> tuple[type[BaseException], str, torch.Tensor]:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(torch.tensor([1.0, 2.0, 2.0, 4.0]), mesh, [Shard(0)])
+        with pytest.raises(NotImplementedError) as ours:
+            clip_grad_norm_(ordered(weight, meta_bias()), 1.0)
+        return type(ours.value), str(ours.value), weight.grad.full_tensor()
+
+    for kind, message, grad in run_threads(2, rank_main):
+        assert kind is type(info.value)  # exactly torch's, not a subclass
+        assert message == str(info.value)
+        assert torch.equal(grad, torch.tensor([1.0, 2.0, 2.0, 4.0]))
+
+
 @pytest.mark.parametrize("norm_type", [INF, -INF, 2.0])
 def test_a_mesh_whose_dtensors_have_no_gradient_on_any_rank_takes_no_part(
     norm_type: float,
