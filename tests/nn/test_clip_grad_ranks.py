@@ -321,37 +321,33 @@ def test_a_plain_parameter_with_a_dtensor_gradient_is_reduced_over_the_gradients
         torch.testing.assert_close(grad, expected)
 
 
-def test_probe_a_sharded_partial_gradient_has_the_same_norm_with_every_dimension_replicated() -> (
-    None
-):
-    """PROBE for the equivalent-list entry of ``replicated_partial``, not a behaviour.
+def test_a_gradient_sharded_and_partial_is_clipped_exactly_as_torch_clips_its_shards() -> None:
+    """Sharded on ``dp`` and partial on ``tp``, its partial sums are reduced over ``tp`` alone:
+    the norm and the clipping are then exactly torch's over the ``dp`` shards, in bfloat16
+    too, where each shard's norm is rounded. The whole gradient's norm rounds otherwise
+    (12.0625, not 12.125), so a reduction over ``dp`` as well would change both."""
+    full = torch.arange(-6.0, 6.0, dtype=torch.bfloat16).reshape(4, 3)
+    expected_norm, expected = expected_clip([full[:2], full[2:]], 1.0, 2.0)
+    whole_norm, _ = expected_clip([full], 1.0, 2.0)
+    assert expected_norm.dtype == whole_norm.dtype == torch.bfloat16
+    assert not torch.equal(expected_norm, whole_norm)
 
-    A gradient sharded on one mesh dimension and partial on the other is made whole on the
-    partial one only; replicating the sharded dimension too (the listed mutant) gives every
-    rank the whole gradient, which the norm counts once all the same: only more communication.
-    """
-    full = torch.arange(-6.0, 6.0).reshape(4, 3)
-    expected_norm, (expected,) = expected_clip([full], 1.0, 2.0)
-
-    def rank_main(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def rank_main(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         mesh = init_device_mesh("cpu", (2, 2))
-        dp, tp = mesh.get_coordinate()  # type: ignore[misc]
-        local = full[2 * dp : 2 * dp + 2] * (tp + 1) / 3  # sums to the rows over tp
-        results = []
-        for whole in (False, True):
-            weight = nn.Parameter(torch.zeros(4, 3))
-            grad = DTensor.from_local(
-                local.clone(), mesh, [Shard(0), Partial()], shape=(4, 3), stride=(3, 1)
-            )
-            weight.grad = grad.redistribute(mesh, [Replicate(), Replicate()]) if whole else grad
-            norm = clip_grad_norm_([weight], 1.0)
-            results.append((norm, weight.grad.full_tensor()))
-        return results
+        dp, _ = mesh.get_coordinate()  # type: ignore[misc]
+        # Halves, which sum to the rows over tp, and scale to exact halves of the scaled rows.
+        local = full[2 * dp : 2 * dp + 2] / 2
+        weight = nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16))
+        weight.grad = DTensor.from_local(
+            local, mesh, [Shard(0), Partial()], shape=(4, 3), stride=(3, 1)
+        )
+        norm = clip_grad_norm_([weight], 1.0)
+        return norm, weight.grad.full_tensor()
 
-    for results in run_threads(4, rank_main):
-        for norm, grad in results:
-            torch.testing.assert_close(norm, expected_norm)
-            torch.testing.assert_close(grad, expected)
+    for norm, grad in run_threads(4, rank_main):
+        assert norm.dtype == grad.dtype == torch.bfloat16
+        assert torch.equal(norm, expected_norm)
+        assert torch.equal(grad, torch.cat(expected))
 
 
 def test_plain_tensors_are_this_ranks_and_take_no_part_in_the_reduction() -> None:
