@@ -150,6 +150,20 @@ def test_an_error_of_the_model_before_its_head_keeps_its_type() -> None:
         model(ids, labels=labels)
 
 
+def test_labels_on_another_device_than_the_model_are_moved_as_on_the_stock_model() -> None:
+    """transformers' loss moves the labels to the logits' device, and the head's to its
+    input's: labels on the meta device, which cannot be copied to the CPU model, raise the
+    stock model's error, of the same type."""
+    stock, model, _ = stock_and_lean(llama)
+    ids, labels = batch()
+    with pytest.raises(NotImplementedError) as expected:
+        stock(ids, labels=labels.to("meta"))
+    with pytest.raises(NotImplementedError) as actual:
+        model(ids, labels=labels.to("meta"))
+    assert type(actual.value) is type(expected.value)  # exactly, not a subclass
+    assert str(actual.value) == str(expected.value)
+
+
 def refusal_of(cls: type, **attributes: object) -> str:
     """The message of the RuntimeError that a tied ``cls``'s forward with labels raises, which
     names the class and the fix."""
