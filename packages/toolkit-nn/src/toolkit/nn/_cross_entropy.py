@@ -467,7 +467,7 @@ class _Context(FunctionCtx):
     x_dtype: torch.dtype
     weight_dtype: torch.dtype
     saved: tuple[bool, bool]
-    used: bool
+    used: bool  # set by the first backward that scales the saved gradients
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -525,7 +525,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # What forward computed: under torch.func.vmap an input can need a gradient that the
         # batched tensor did not say it needs.
         ctx.saved = (save and want_x, save and want_w)
-        ctx.used = False
 
     @staticmethod
     def backward(
@@ -604,8 +603,9 @@ def _scale_saved(
 ) -> tuple[torch.Tensor | None, ...]:
     """Backward of a mean or sum: the saved unit-weight gradients, scaled in place."""
     # The saved gradients are scaled in place, so that backward allocates no second (V, D)
-    # buffer; a second backward through the same graph would scale them again.
-    if ctx.used:
+    # buffer; a second backward through the same graph would scale them again. The first
+    # sets ``used``, which the context lacks before it.
+    if getattr(ctx, "used", None):
         raise RuntimeError(
             "TiedLinear.cross_entropy does not support a second backward through the same "
             "loss (retain_graph=True): its gradients are computed in forward and scaled in "
