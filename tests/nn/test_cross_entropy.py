@@ -516,24 +516,41 @@ def test_compiles_in_one_graph_with_the_loss_and_gradients_of_the_plain_path(
 @pytest.mark.parametrize("upstream", [1.0, math.nan, math.inf])
 @pytest.mark.parametrize("create_graph", [False, True])
 @pytest.mark.parametrize(
-    "options", [{}, {"reduction": "sum", "label_smoothing": 0.1}, {"z_loss": 0.1, "softcap": 3.0}]
+    "options",
+    [
+        {},
+        {"reduction": "sum", "label_smoothing": 0.1},
+        {"z_loss": 0.1, "softcap": 3.0},
+        {"reduction": "none", "z_loss": 0.1},
+    ],
 )
 @pytest.mark.parametrize("every", [True, False], ids=["every-ignored", "some-ignored"])
+@pytest.mark.parametrize("dtype", [F64, BF16])
 def test_ignored_tokens_get_zero_gradients_whatever_comes_in(
-    upstream: float, create_graph: bool, options: dict[str, Any], every: bool
+    upstream: float, create_graph: bool, options: dict[str, Any], every: bool, dtype: torch.dtype
 ) -> None:
-    """As F.cross_entropy: an ignored token's row of x's gradient is exactly 0, and with every
-    token ignored the mean is nan (0 / 0), the sum 0, and the weight's gradient 0, for a nan
-    or an inf incoming gradient too (the plain path multiplies nothing by it)."""
-    x, weight, target = _inputs(7, 5, 3)
+    """As F.cross_entropy, exactly and in the same dtypes: an ignored token's row of x's
+    gradient is 0, and with every token ignored the mean is nan (0 / 0), the sum 0, each
+    token's loss 0 and the weight's gradient 0, for a nan or an inf incoming gradient too (the
+    plain path multiplies nothing by it)."""
+    x, weight, target = _inputs(7, 5, 3, dtype)
     if every:
         target = torch.full((7,), -100)
     ignored = target == -100
-    for loss_of in (_ours(target, chunk_size=3, **options), _plain(target, **options)):
-        loss, grad_x, grad_w = _loss_and_grads(loss_of, x, weight, upstream, create_graph)
+    plain = _loss_and_grads(_plain(target, **options), x, weight, upstream, create_graph)
+    ours_of = _ours(target, chunk_size=3, **options)
+    ours = _loss_and_grads(ours_of, x, weight, upstream, create_graph)
+    assert [t.dtype for t in ours] == [t.dtype for t in plain]
+    assert ours[1].dtype == ours[2].dtype == dtype
+    for _, grad_x, _ in (ours, plain):
         assert torch.equal(grad_x[ignored], torch.zeros_like(x[ignored]))
-        if every:
-            assert loss.isnan() if "reduction" not in options else loss.item() == 0.0
+    if every:
+        if "reduction" in options:
+            assert torch.equal(ours[0], plain[0])  # 0, or each token's 0
+        else:
+            assert ours[0].isnan()  # the mean of no token: 0 / 0
+            assert plain[0].isnan()
+        for _, _, grad_w in (ours, plain):
             assert torch.equal(grad_w, torch.zeros_like(weight))
 
 
