@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
@@ -313,6 +314,31 @@ def test_a_refused_call_raises_on_every_rank_and_changes_nothing(case: str) -> N
         assert cause == "None" or f"rank {rank}: {cause}" in message, (rank, cause)
         assert result["after"][0] == result["before"][0], rank
         _assert_same(result["after"][1], result["before"][1])
+
+
+def test_on_each_group_of_a_device_mesh_the_ranks_take_their_own_groups_union() -> None:
+    """Each ``tp`` group of a 2 x 2 ``(dp, tp)`` mesh synchronises its two ranks alone, through
+    the objects gathered on that group: ranks 0 and 1 end with heads a and b, ranks 2 and 3
+    with c and d, each valued by the rank of the group that had it."""
+
+    def rank_main(rank: int) -> tuple[list[str], Any, Any]:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = _with_heads("a", "b", "c", "d")(rank)
+        before = _snapshot(model)
+        created = sync_entries(model, mesh.get_group("tp"))
+        return created, before, _snapshot(model)
+
+    results = run_threads(4, rank_main)
+    for rank, (created, (_, own), (names, state)) in enumerate(results):
+        first, pair = rank - rank % 2, "abcd"[rank - rank % 2 : rank - rank % 2 + 2]
+        assert created == [f"heads.{pair[1 - rank % 2]}"]
+        assert {k: v for k, v in names.items() if v} == {"heads": list(pair)}
+        expected = {k: v for k, v in own.items() if k.startswith("trunk.")}
+        for owner, key in enumerate(pair, start=first):
+            prefix = f"heads.{key}."
+            expected.update((k, v) for k, v in results[owner][1][1].items() if k.startswith(prefix))
+        _assert_same(state, expected)
+    assert not torch.equal(results[0][1][1]["trunk.weight"], results[1][1][1]["trunk.weight"])
 
 
 def test_a_rank_outside_the_group_is_refused_without_entering_its_collectives() -> None:
