@@ -98,8 +98,11 @@ SETTINGS = (
     "tests/**/pytest.ini",
     "scripts/mutation.py",
 )
-# The methods that constructing a class runs, which its name reaches (index_sources).
+# The methods that constructing a class runs, which its name reaches (index_sources), and the
+# bases whose subclasses' every method it reaches: torch calls them back, an autograd
+# Function's backward after the caller returned.
 CONSTRUCTION = frozenset({"__new__", "__init__", "__post_init__", "__init_subclass__"})
+CALLED_BACK = ("autograd.Function",)
 ENVIRONMENT = ("TOOLKIT_", "HYPOTHESIS_", "PYTEST_", "TORCH", "OMP_", "CUDA_")
 UNREAD = frozenset({"TOOLKIT_PYTHON"})
 
@@ -513,7 +516,7 @@ class Index:
     functions' bodies (constants, class attributes, imports, signatures, decorators), hashed.
     ``imports``: the package modules each module imports. ``defines``: for a simple name, the
     functions it may call (same-named functions and methods, and what constructing a
-    same-named class runs).
+    same-named class runs). ``called_back``: the classes whose methods torch calls back.
     """
 
     hashes: dict[str, str] = field(default_factory=dict)
@@ -522,6 +525,7 @@ class Index:
     contexts: dict[str, str] = field(default_factory=dict)
     imports: dict[str, set[str]] = field(default_factory=dict)
     defines: dict[str, set[str]] = field(default_factory=dict)
+    called_back: set[str] = field(default_factory=set)
 
 
 def _read_names(node: ast.AST) -> set[str]:
@@ -588,6 +592,8 @@ def _visit(
             empty.body = _without_docstring(empty.body)
             inner = _without_docstring(node.body)
             _visit(index, dumps, inner, f"{owner}.{node.name}", empty.body, module)
+            if any(ast.unparse(base).endswith(CALLED_BACK) for base in node.bases):
+                index.called_back.add(f"{owner}.{node.name}")
 
 
 def index_sources(sources: Mapping[str, Path]) -> Index:
@@ -604,11 +610,12 @@ def index_sources(sources: Mapping[str, Path]) -> Index:
         _visit(index, dumps, _without_docstring(tree.body), module, context.body, module)
         index.contexts[module] = sha(ast.dump(context))[:16]
     index.hashes = {name: sha("\n".join(parts))[:16] for name, parts in dumps.items()}
-    # A class's name reaches what constructing it runs; its other methods are reached by
-    # their names, or by the calls mutmut sees.
+    # A class's name reaches what constructing it runs, or all of it for a class that torch
+    # calls back (its backward runs after the caller returns); its other methods are reached
+    # by their names, or by the calls mutmut sees.
     for name in index.hashes:
         owner, _, method = name.rpartition(".")
-        if owner not in index.contexts and method in CONSTRUCTION:
+        if owner not in index.contexts and (method in CONSTRUCTION or owner in index.called_back):
             index.defines.setdefault(owner.rpartition(".")[2], set()).add(name)
     # ``import toolkit.nn`` runs the package's __init__.py.
     index.imports = {

@@ -655,6 +655,29 @@ def test_changing_a_module_constant_or_class_attribute_reruns_the_module(
     }
 
 
+def test_changing_the_backward_of_an_autograd_function_reruns_what_applies_it(
+    mutation: ModuleType, tree: Path, layered: list[Any]
+) -> None:
+    (tree / LAYERED_SRC).write_text(
+        LAYERED.replace("class D:", "class D(torch.autograd.Function):")
+        + "\n    @staticmethod\n    def backward(ctx, g):\n        return g * 2\n"
+        + "\n\ndef loss(x):\n    return D.apply(x)\n"
+    )
+    found = [
+        *layered,
+        layered[0].__class__(
+            "toolkit.x.n.x_loss__mutmut_1",
+            "src/toolkit/x/n.py",
+            "toolkit.x.n.loss",
+            "return D.apply(x)",
+            "return D.apply(None)",
+        ),
+    ]
+    ledger = _record_killed(mutation, tree, found, {})
+    _edit(tree, LAYERED_SRC, "return g * 2", "return 2 * g")
+    assert _layered_to_run(mutation, tree, ledger, found) == {"loss"}
+
+
 def test_a_call_that_mutmut_saw_and_the_code_does_not_name_reruns_the_caller(
     mutation: ModuleType, tree: Path, layered: list[Any]
 ) -> None:
