@@ -311,17 +311,20 @@ def mutation(session: nox.Session) -> None:
     """Mutation testing of every package (``scripts/mutation.py``); not a default session.
 
     mutmut mutates every function of ``packages/*/src`` and runs the single-process tests, then
-    the compile and multi-rank tests run against each mutant still alive. It fails on a
-    survivor missing from ``tests/mutation/equivalent.toml`` or on a stale entry there, and
-    reports the score. The packages are installed, not editable: the tests import the mutated
-    copy, which comes first on the path. Arguments after ``--`` go to the script:
-    ``--incremental`` (what CI runs) reuses the outcomes of ``tests/mutation/ledger.toml``
-    whose function, covering test files (with their helpers and conftest files) and settings
-    are unchanged, and runs every other mutant; it fails on a ledger that does not describe
-    the sources, and skips before installing anything when nothing differs from it.
-    ``--record`` writes the ledger after a run that passed, whole or incremental. Without
-    arguments it is the whole run, which also catches what the ledger cannot see (a change
-    in a function's callee); run it with ``--record`` before a release.
+    the compile and multi-rank tests run against each mutant still alive. It stops before
+    mutating when a function's code is out of mutmut's reach (a decorated function or
+    ``__setattr__`` that does more than forward to a plain one, a public function without
+    mutants); it fails on a survivor missing from ``tests/mutation/equivalent.toml`` or on a
+    stale entry there, and reports the score. The packages are installed, not editable: the
+    tests import the mutated copy, which comes first on the path. Arguments after ``--`` go to
+    the script: ``--incremental`` (what CI runs) reuses the outcomes of
+    ``tests/mutation/ledger.toml`` whose function, the functions it may call with their
+    modules' constants and class attributes, covering test files (with their helpers and
+    conftest files) and settings are unchanged, and runs every other mutant; it fails on a
+    ledger that does not describe the sources, and skips before installing anything when
+    nothing differs from it. ``--record`` writes the ledger after a run that passed, whole or
+    incremental. Without arguments it is the whole run, which also catches what the ledger
+    cannot see (a call that only a mutant makes); run it with ``--record`` before a release.
     """
     if "--incremental" in session.posargs:
         # Comparing with the ledger needs only the standard library: skip the installs when
