@@ -256,6 +256,97 @@ def test_a_model_that_takes_the_loss_of_a_slice_of_the_logits_is_refused() -> No
     refusal_of(Slices)
 
 
+class NoLabels(type(llama())):  # type: ignore[misc]
+    """A causal LM class whose forward takes no labels."""
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: object) -> object:
+        return super().forward(input_ids)
+
+
+class HeadAdapter(torch.nn.Module):
+    """What an adapter library puts in the head's place: a module around the head."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + 1.0  # type: ignore[no-any-return]
+
+
+FIX = "tie it with chunked_loss=False"
+CHANGED = (
+    "{}'s forward changes its head's logits before its loss in a way chunked_loss does not "
+    "compute (it applies the config's final_logit_softcapping, nothing else), so the chunked "
+    f"loss would differ from the model's; {FIX}"
+)
+
+
+def _scaled() -> None:
+    model = cohere()  # multiplies the logits by config.logit_scale before its loss
+    tie_output_embeddings(model, chunked_loss=True)
+    ids, labels = batch()
+    model(ids, labels=labels)
+
+
+def _other_loss() -> None:
+    model = llama()
+    model.loss_type = "ForMaskedLM"
+    tie_output_embeddings(model, chunked_loss=True)
+
+
+def _adapted() -> None:
+    _, model, _ = stock_and_lean(llama)
+    model.lm_head = HeadAdapter(model.lm_head)
+    ids, labels = batch()
+    model(ids, labels=labels)
+
+
+def _refused(case: str) -> str:
+    """The message of the error that the case's model raises, at the tie or at its forward."""
+    torch.manual_seed(0)
+    refused = {"own_logits": (OwnLogits, {}), "passes": (Passes, {"change": "labels"})}
+    refused |= {"twice": (Twice, {}), "slices": (Slices, {})}
+    if case in refused:
+        cls, attributes = refused[case]
+        return refusal_of(cls, **attributes)
+    act = {"scaled": _scaled, "other_loss": _other_loss, "adapter": _adapted}.get(
+        case, lambda: tie_output_embeddings(NoLabels(llama().config), chunked_loss=True)
+    )
+    with pytest.raises((RuntimeError, ValueError)) as error:
+        act()
+    return str(error.value)
+
+
+REFUSALS = {
+    "own_logits": "OwnLogits's forward computed its loss before calling its head, in which "
+    f"chunked_loss computes it; {FIX}",
+    "passes": "Passes's forward passes its loss other labels or options than it was given, "
+    f"which the head's loss, computed from those given, would not match; {FIX}",
+    "twice": "Twice's forward computes its loss without transformers' loss_function (or not "
+    f"from its head's logits), where chunked_loss puts the head's loss; {FIX}",
+    "slices": CHANGED.format("Slices"),
+    "scaled": CHANGED.format("CohereForCausalLM"),
+    "other_loss": "chunked_loss computes transformers' causal LM loss (ForCausalLMLoss), but "
+    "LlamaForCausalLM's loss_function is ForMaskedLMLoss; keep chunked_loss=False for another "
+    "loss",
+    "adapter": "LlamaForCausalLM's head 'lm_head' is a "
+    f"{HeadAdapter.__module__}.{HeadAdapter.__qualname__}, not the tied head, so chunked_loss "
+    "cannot compute the loss in it (an adapter on the head, such as PEFT's LoRA or "
+    "modules_to_save, computes logits of its own); leave the head out of the adapter, or tie "
+    "the model with chunked_loss=False",
+    "no_labels": "NoLabels's forward takes no labels, so it computes no loss; chunked_loss is "
+    "for a causal LM, such as a ...ForCausalLM class",
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_each_refusal_is_one_whole_message(case: str) -> None:
+    """The one whole-message check of each refusal: the model, what it does that the chunked
+    loss cannot follow, and the fix. The other tests check the facts only."""
+    assert _refused(case) == REFUSALS[case]
+
+
 def test_switching_finds_the_wrapper_under_another_wrapper_of_the_forward() -> None:
     """accelerate wraps ``model.forward`` (autocast, outputs to float32) with functools.wraps."""
     _, model, _ = stock_and_lean(llama)
