@@ -27,23 +27,28 @@ list stays reviewed.
 where they still hold, and runs every other mutant; ``--record`` rewrites the ledger after a
 run that passed. A recorded outcome is reused only when what decided it is unchanged:
 
-* a killed mutant: its function's source (the function's own code, as ``ast`` parses it,
-  without its docstring) and every test file that covers the function, each with the helper
-  modules it imports from ``tests/``, ``benchmarks/`` or ``examples/`` and the ``conftest.py``
-  files above it; a mutant killed by the slow tests also needs the whole slow selection (its
-  test files, their helpers, ``docs/`` and ``examples/``) unchanged;
-* a listed equivalent: the same function and covering tests, and its entry still listed;
-* for both, the mutmut configuration, the pytest and Hypothesis settings and the pins
-  (``constraints.txt``) unchanged, and the test files that cover the function now, by mutmut's
-  stats of this run, the same as recorded.
+* the function's own code (as ``ast`` parses it, without its docstring);
+* what it depends on (``dependencies``): the code of every function of the package it may
+  call, transitively, and the context (constants, class attributes, imports, signatures) of
+  every module those live in or import;
+* every test file that covers the function, each with the helper modules it imports from
+  ``tests/``, ``benchmarks/`` or ``examples/`` and the ``conftest.py`` files above it, and the
+  test files that cover it now, by mutmut's stats of this run, the same as recorded; a
+  mutant killed by the slow tests also needs the whole slow selection (its test files, their
+  helpers, ``docs/`` and ``examples/``) unchanged;
+* the settings (``setup_digest``): the pyproject files, the pins, the noxfile, ``pytest.ini``,
+  this script and the environment the tests read;
+* for a listed equivalent, also its entry, still listed.
 
 Everything else runs, as in the whole run. A ledger that does not describe the sources stops
 the run: a malformed one (``load_ledger``), or one that records a function's code as it is,
 under the same settings, with other mutants than mutmut makes of it (``mismatches``).
 
-The limit: a change outside a function (a callee, a module constant, a test's data file) can
-change whether its mutants die without changing anything the ledger hashes. The whole run,
-``nox -s mutation``, covers that; run it, with ``--record``, before a release.
+The limit: a call that neither the code names nor the unmutated tests make (one that only a
+mutant's path takes), and code that uses a function's result without being called by it (a
+caller, a test's later steps), are no dependencies; nor is a data file that a test reads
+without importing it. The whole run, ``nox -s mutation``, covers them; run it, with
+``--record``, before a release.
 """
 
 from __future__ import annotations
@@ -102,8 +107,24 @@ SETTINGS = (
 # bases whose subclasses' every method it reaches: torch calls them back, an autograd
 # Function's backward after the caller returned.
 CONSTRUCTION = frozenset({"__new__", "__init__", "__post_init__", "__init_subclass__"})
-CALLED_BACK = ("autograd.Function",)
-ENVIRONMENT = ("TOOLKIT_", "HYPOTHESIS_", "PYTEST_", "TORCH", "OMP_", "CUDA_")
+CALLED_BACK = ("Function",)  # torch.autograd.Function, however imported
+ENVIRONMENT = (
+    "TOOLKIT_",
+    "HYPOTHESIS_",
+    "PYTEST_",
+    "TORCH",
+    "PYTORCH_",
+    "ATEN_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "CUDA_",
+    "CUBLAS_",
+    "GLOO_",
+    "NCCL_",
+    "MASTER_",
+    "MUTMUT_",
+)
 UNREAD = frozenset({"TOOLKIT_PYTHON"})
 
 # mutmut's statuses: which count as detected, and which send a mutant to the slow pass.
@@ -200,8 +221,10 @@ def clean_env() -> dict[str, str]:
 
     Each worker gets one intra-op thread: the workers already fill the cores, and torch's
     spinning threads would otherwise eat the CPU time by which mutmut detects a hang. The
-    property tests run Hypothesis's ``mutation`` profile (the root ``pyproject.toml``): the
-    same examples on every run, so that a run's verdicts do not depend on its draws.
+    property tests run Hypothesis's ``mutation`` profile (the root ``pyproject.toml``, and
+    ``tests/conftest.py``, which leaves out the constants Hypothesis would take from the
+    sources): the same examples on every run, so that a run's verdicts do not depend on its
+    draws.
     """
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
@@ -301,14 +324,20 @@ def generate_mutants(sources: Mapping[str, Path]) -> list[Mutant]:
 
 
 def _forwards_to(
-    node: ast.FunctionDef | ast.AsyncFunctionDef, owner: str, module: str
+    node: ast.FunctionDef | ast.AsyncFunctionDef,
+    owner: str,
+    module: str,
+    imported: Mapping[str, str],
 ) -> str | None:
     """The function ``node`` forwards to, or None if it does more than forward.
 
-    Forwarding is one statement (a docstring aside) that calls a function of ``module``, or a
-    method of ``owner`` through ``self`` or ``cls``, with the function's own arguments as they
-    came, and returns what it returns, yields from it, or nothing.
+    Forwarding is one statement (a docstring aside) that calls a function of ``module`` (or
+    one it imports), or a method of ``owner`` through ``self`` or ``cls``, with the function's
+    own arguments as they came, in their order, and returns what it returns, yields from it,
+    or nothing. A default value in its signature is code that mutation would miss.
     """
+    if node.args.defaults or any(d is not None for d in node.args.kw_defaults):
+        return None
     body = _without_docstring(node.body)
     statement = body[0] if len(body) == 1 else None
     call = statement.value if isinstance(statement, ast.Return | ast.Expr) else None
@@ -316,12 +345,16 @@ def _forwards_to(
         call = call.value
     if not isinstance(call, ast.Call):
         return None
-    params = {a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]}
-    values = [*call.args, *(k.value for k in call.keywords)]
-    if not all(isinstance(v, ast.Name) and v.id in params for v in values):
+    args = node.args
+    own = [a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]]
+    own += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+    values = [v.value if isinstance(v, ast.Starred) else v for v in call.args]
+    values += [k.value for k in call.keywords]
+    names = [v.id if isinstance(v, ast.Name) else "" for v in values]
+    if not all(names) or names != [n for n in own if n in names] or len(set(names)) < len(names):
         return None
     if isinstance(call.func, ast.Name):
-        return f"{module}.{call.func.id}"
+        return imported.get(call.func.id, f"{module}.{call.func.id}")
     function = call.func
     if isinstance(function, ast.Attribute) and isinstance(function.value, ast.Name):
         return f"{owner}.{function.attr}" if function.value.id in ("self", "cls") else None
@@ -332,18 +365,19 @@ def unmutated(sources: Mapping[str, Path], mutants: Iterable[Mutant]) -> list[st
     """The functions that mutation would miss, each with what to do; none in a sound run.
 
     mutmut makes no mutant of a decorated function (but for ``staticmethod``, ``classmethod``
-    and the signatures of ``typing.overload``: a property, ``torch.no_grad()``) or of a name
-    it never mutates
-    (``__setattr__``). Such a function must only forward (``_forwards_to``) to a plain one
-    that has mutants. Every public function (named in its module's ``__all__``) and every
-    public or special method of a public class must have mutants, or forward to one that has.
+    and the signatures of ``typing.overload``: a property, ``torch.no_grad()``), of a name it
+    never mutates (``__setattr__``), or of a function defined under a module's ``if``, ``try``
+    or ``with`` (but ``if TYPE_CHECKING:``, which never runs). Such a function must only
+    forward (``_forwards_to``) to a plain one that has mutants. Every public function (named
+    in its module's ``__all__``) and every public or special method of a public class must
+    have mutants, or forward to one that has.
     """
     from mutmut.mutation.file_mutation import NEVER_MUTATE_FUNCTION_NAMES  # noqa: PLC0415
 
     mutated = {mutant.function for mutant in mutants}
     problems: list[str] = []
 
-    def check(node: ast.stmt, owner: str, module: str, public: bool) -> None:
+    def check(node: ast.stmt, owner: str, public: bool, nested: bool = False) -> None:
         if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             return
         name = f"{owner}.{node.name}"
@@ -351,12 +385,13 @@ def unmutated(sources: Mapping[str, Path], mutants: Iterable[Mutant]) -> list[st
         if decorators & {"overload", "typing.overload"}:
             return  # a signature for type checkers; the implementation follows it
         plain = decorators - {"staticmethod", "classmethod"}
-        left_out = bool(plain) or node.name in NEVER_MUTATE_FUNCTION_NAMES
-        target = _forwards_to(node, owner, module)
+        left_out = nested or bool(plain) or node.name in NEVER_MUTATE_FUNCTION_NAMES
+        target = _forwards_to(node, owner, module, imported)
         if left_out and (target is None or target not in mutated):
             problems.append(
-                f"{name}: mutation leaves it out (a decorator, or a name mutmut never mutates); "
-                "move its body into a plain function or method that it only forwards to"
+                f"{name}: mutation leaves it out (a decorator, a name mutmut never mutates, or "
+                "a definition under an if, try or with); move its body into a plain function "
+                "or method that it only forwards to"
             )
         elif public and name not in mutated and target not in mutated:
             problems.append(f"{name}: public, and no mutant reaches its code")
@@ -373,16 +408,47 @@ def unmutated(sources: Mapping[str, Path], mutants: Iterable[Mutant]) -> list[st
             for value in node.value.elts
             if isinstance(value, ast.Constant)
         }
-        for node in tree.body:
-            check(node, module, module, node_name(node) in exported)
+        imported = {
+            alias.asname or alias.name: f"{origin}.{alias.name}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            for origin in [_absolute(node, module)]
+            for alias in node.names
+        }
+        for node, nested in _definitions(tree.body):
+            check(node, module, node_name(node) in exported, nested)
             if isinstance(node, ast.ClassDef):
-                for method in node.body:
+                for method, inner in _definitions(node.body):
                     shown_name = node_name(method)
                     public = node.name in exported and (
                         not shown_name.startswith("_") or shown_name.startswith("__")
                     )
-                    check(method, f"{module}.{node.name}", module, public)
+                    check(method, f"{module}.{node.name}", public, nested or inner)
     return problems
+
+
+def _definitions(body: list[ast.stmt]) -> Iterable[tuple[ast.stmt, bool]]:
+    """Each statement of ``body`` and of its ``if``, ``try`` and ``with`` blocks.
+
+    With each, whether it lies in such a block.
+    """
+    for node in body:
+        yield node, False
+        if isinstance(node, ast.If | ast.Try | ast.With):
+            # What ``if TYPE_CHECKING:`` holds is for type checkers, and never runs.
+            checking = isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+            blocks = [[] if checking else node.body, getattr(node, "orelse", [])]
+            blocks.append(getattr(node, "finalbody", []))
+            blocks += [handler.body for handler in getattr(node, "handlers", [])]
+            for block in blocks:
+                yield from ((inner, True) for inner, _ in _definitions(block))
+
+
+def _absolute(node: ast.ImportFrom, module: str) -> str:
+    """The module that ``node``, in ``module``, imports from, as an absolute name."""
+    package = module.split(".")[:-1]
+    base = package[: len(package) - node.level + 1] if node.level else []
+    return ".".join([*base, *(node.module.split(".") if node.module else [])])
 
 
 def require_every_function_mutated(sources: Mapping[str, Path]) -> None:
@@ -555,14 +621,12 @@ def _is_own(value: ast.expr) -> bool:
 
 def _imported_modules(tree: ast.Module, module: str) -> set[str]:
     """The absolute names of every module ``tree`` (the module ``module``) imports from."""
-    package = module.split(".")[:-1]
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
-            base = package[: len(package) - node.level + 1] if node.level else []
-            name = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            name = _absolute(node, module)
             found |= {name, *(f"{name}.{alias.name}" for alias in node.names)}
     return found
 
@@ -596,6 +660,26 @@ def _visit(
                 index.called_back.add(f"{owner}.{node.name}")
 
 
+def _module_code(body: list[ast.stmt]) -> list[ast.stmt]:
+    """The code of a module or class body that runs as it loads.
+
+    Its imports, its ``__all__`` and its definitions (whose signatures belong to their
+    functions) are left out; a class's bases and decorators are in.
+    """
+    found: list[ast.stmt] = []
+    for node in body:
+        if isinstance(node, ast.ClassDef):
+            found += node.bases + node.keywords + node.decorator_list  # type: ignore[arg-type]
+            found += _module_code(node.body)
+        elif not isinstance(
+            node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.AsyncFunctionDef
+        ) and "__all__" not in {
+            t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)
+        }:
+            found.append(node)
+    return found
+
+
 def index_sources(sources: Mapping[str, Path]) -> Index:
     """The index of the sources (workspace path: file)."""
     index = Index()
@@ -609,6 +693,12 @@ def index_sources(sources: Mapping[str, Path]) -> Index:
         context.body = _without_docstring(context.body)
         _visit(index, dumps, _without_docstring(tree.body), module, context.body, module)
         index.contexts[module] = sha(ast.dump(context))[:16]
+        # What the module's own code outside its functions runs or names (a constant built by
+        # a call, an alias, a table of functions) reaches every function of it.
+        shared = set().union(*(_read_names(n) for n in _module_code(context.body)))
+        for name, owner in index.modules.items():
+            if owner == module:
+                index.names[name] |= shared
     index.hashes = {name: sha("\n".join(parts))[:16] for name, parts in dumps.items()}
     # A class's name reaches what constructing it runs, or all of it for a class that torch
     # calls back (its backward runs after the caller returns); its other methods are reached
@@ -737,10 +827,11 @@ def setup_digest(root: Path, env: Mapping[str, str] | None = None) -> str:
 
     They are the files of ``SETTINGS`` (the root ``pyproject.toml`` whole, with its groups
     and tool tables; each package's ``pyproject.toml`` but for its version; the pins, which
-    name torch's build; the noxfile; any ``pytest.ini``; this script), the environment
-    variables of ``ENVIRONMENT`` and the slow pass's selection.
+    name torch's build; the noxfile; any ``pytest.ini``; this script), the variables of
+    ``ENVIRONMENT`` in the environment the tests run in (``clean_env``) and the slow pass's
+    selection.
     """
-    env = os.environ if env is None else env
+    env = clean_env() if env is None else env
     parts: list[str] = [json.dumps(SLOW_SELECTION)]
     for pattern in SETTINGS:
         for path in sorted(root.glob(pattern)):
@@ -992,6 +1083,8 @@ def seen_calls(stats: Path, index: Index) -> dict[str, set[str]]:
     def qualified(key: str) -> str:
         module = get_module_from_key(key)
         function, owner = parse_mutant_key(key.removeprefix(f"{module}."))
+        if module not in index.contexts:  # mutmut names a package's __init__.py by the package
+            module = f"{module}.__init__"
         return ".".join(p for p in (module, owner, function) if p)
 
     graph = json.loads(stats.read_text()).get("function_dependencies", {})
@@ -1244,7 +1337,13 @@ def unchanged(ledger: Ledger | None, now: Inputs) -> bool:
     """Whether every input the ledger records is as it is now, so that nothing need run."""
     if ledger is None:
         return False
-    # The sources' digests stand for the functions' code and what they depend on.
+    recorded = all(
+        now.functions.get(f) == r.hash and now.depends.get(f) == r.depends
+        for f, r in ledger.records.items()
+    )
+    if not recorded:
+        return False
+    # The sources' digests stand for the other functions' code and what they depend on.
     return replace(ledger.inputs, functions={}, depends={}) == replace(
         now, functions={}, depends={}
     )

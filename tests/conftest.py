@@ -35,6 +35,16 @@ if "HYPOTHESIS_PROFILE" in os.environ:
 elif settings.get_current_profile_name() == "default":
     settings.load_profile("dev")
 
+if settings.get_current_profile_name() == "mutation":
+    # Hypothesis also draws the constants it finds in the project's loaded modules (about one
+    # draw in twenty), so the examples would change with any literal of the sources, mutants
+    # included, and with the modules a run has imported. Under mutation testing a verdict
+    # must follow from the mutant and its tests alone: draw none of them. (An internal of
+    # Hypothesis, pinned in constraints.txt.)
+    from hypothesis.internal.conjecture import providers
+
+    providers._get_local_constants = providers.Constants  # type: ignore[attr-defined]
+
 
 @pytest.fixture(scope="session")
 def torchtune_tied_linear() -> type:

@@ -692,6 +692,29 @@ def test_a_call_that_mutmut_saw_and_the_code_does_not_name_reruns_the_caller(
     assert _layered_to_run(mutation, tree, seen, layered) == {"__call__", "apply"}
 
 
+def test_changing_what_a_module_constant_is_built_by_reruns_the_module(
+    mutation: ModuleType, tree: Path, layered: list[Any]
+) -> None:
+    (tree / LAYERED_SRC).write_text(
+        LAYERED + "\n\ndef _build(n):\n    return n + 1\n\n\nTABLE = _build(4)\n"
+    )
+    ledger = _record_killed(mutation, tree, layered, {})
+    _edit(tree, LAYERED_SRC, "return n + 1", "return 1 + n")
+    assert len(_layered_to_run(mutation, tree, ledger, layered)) == len(layered)
+
+
+def test_a_ledger_whose_record_is_stale_is_not_taken_for_the_tree_as_it_is(
+    mutation: ModuleType, tree: Path, layered: list[Any]
+) -> None:
+    ledger = _record_killed(mutation, tree, layered, {})
+    now = mutation.take_inputs(
+        tree, mutation.source_files(tree), [], ledger.inputs.tests, ledger.inputs.calls
+    )
+    assert mutation.unchanged(ledger, now)
+    _edit(tree, "ledger.toml", 'depends = "', 'depends = "0')
+    assert not mutation.unchanged(mutation.load_ledger(tree / "ledger.toml"), now)
+
+
 @pytest.mark.parametrize(
     ("name", "text"),
     [
@@ -742,16 +765,26 @@ def test_the_calls_kept_from_mutmuts_stats_are_those_the_code_does_not_name(
         "toolkit.x.n.x_middle": ["toolkit.x.n.x_top"],
         "toolkit.x.n.x\u01c1D\u01c1__call__": ["toolkit.x.n.x_apply"],
         "outside.x_f": ["toolkit.x.n.x_top"],
+        # mutmut names a package's __init__.py by the package
+        "toolkit.x.x_setup": ["toolkit.x.n.x_alone"],
     }
     stats.write_text(json.dumps({"function_dependencies": graph}))
+    (tree / "packages/toolkit-x/src/toolkit/x/__init__.py").write_text("def setup():\n    pass\n")
     index = mutation.index_sources(mutation.source_files(tree))
-    assert mutation.seen_calls(stats, index) == {"toolkit.x.n.apply": {"toolkit.x.n.D.__call__"}}
+    assert mutation.seen_calls(stats, index) == {
+        "toolkit.x.n.apply": {"toolkit.x.n.D.__call__"},
+        "toolkit.x.n.alone": {"toolkit.x.__init__.setup"},
+    }
 
 
 # Every function's code is mutated: what mutmut leaves out must only forward to what it mutates.
 
 HIDING = """\
-from typing import overload
+import contextlib
+import functools
+from typing import TYPE_CHECKING, overload
+
+from toolkit.nn._y import plus_one
 
 __all__ = ["Public", "exported", "empty"]
 
@@ -797,6 +830,42 @@ class Public:
         return key * 2
 
 
+    @property
+    def with_default(self, b=2):
+        return self._plus(b)
+
+    @property
+    def swapped(self, a, b):
+        return self._pair(b, a)
+
+    def _pair(self, a, b):
+        return a - b
+
+    @contextlib.contextmanager
+    def passed_on(self, *args, **kwargs):
+        yield from self._passed_on(*args, **kwargs)
+
+    def _passed_on(self, *args, **kwargs):
+        yield len(args) + 1
+
+    @functools.cache
+    def imported(self, a):
+        return plus_one(a)
+
+
+try:
+    from math import nextafter
+except ImportError:
+
+    def nextafter(a, b):
+        return a + 1e-9
+
+
+if TYPE_CHECKING:
+
+    def checked(a: int) -> int: ...
+
+
 class _Private:
     @staticmethod
     def fine(a):
@@ -809,14 +878,26 @@ class _Private:
 
 
 def test_code_that_mutation_would_miss_is_named(mutation: ModuleType, tmp_path: Path) -> None:
-    source = tmp_path / "_x.py"
+    source, other = tmp_path / "_x.py", tmp_path / "_y.py"
     source.write_text(HIDING)
-    sources = {"src/toolkit/nn/_x.py": source}
+    other.write_text("def plus_one(a):\n    return a + 1\n")
+    sources = {"src/toolkit/nn/_x.py": source, "src/toolkit/nn/_y.py": other}
     found = mutation.unmutated(sources, mutation.generate_mutants(sources))
     missed = sorted(problem.partition(":")[0].rpartition(".")[2] for problem in found)
-    # A decorated or never-mutated function that does more than forward its own arguments,
-    # and a public function that no mutant reaches.
-    assert missed == ["__setattr__", "empty", "hidden", "secret", "with_literal"]
+    # A function that mutmut leaves out (decorated, never mutated, defined under a try) and
+    # that does more than forward its own arguments in their order, without defaults; and a
+    # public function that no mutant reaches. Forwarding *args and **kwargs, or to a function
+    # imported from another module, is forwarding; what ``if TYPE_CHECKING:`` holds never runs.
+    assert missed == [
+        "__setattr__",
+        "empty",
+        "hidden",
+        "nextafter",
+        "secret",
+        "swapped",
+        "with_default",
+        "with_literal",
+    ]
 
 
 def test_every_function_of_the_packages_is_mutated(mutation: ModuleType) -> None:

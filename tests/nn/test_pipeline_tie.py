@@ -237,6 +237,27 @@ def test_a_backward_of_a_forward_run_before_reduce_grads_counts_once() -> None:
     assert_copies_hold_the_whole_models_gradient(first, last, backward_passes=2)
 
 
+def test_every_step_reuses_the_hooks_of_the_first_so_none_pile_up() -> None:
+    """Each copy gets its hooks once, however many steps run: a hook added every step would
+    cost a call more in every backward, without end. torch's hook tables, private, are the
+    only place that shows it."""
+    first, last = stages_of(0, 2)
+    tie = PipelineTie([first, last])
+    counts = []
+    for _ in range(3):
+        two_stage_loss(first, last).backward()
+        tie.reduce_grads()
+        weights = [first.emb.weight, last.emb.weight]  # type: ignore[union-attr]
+        counts.append(
+            [
+                (len(w._backward_hooks or {}), len(w._post_accumulate_grad_hooks or {}))
+                for w in weights
+            ]
+        )
+    assert counts[0] == counts[1] == counts[2]
+    assert counts[0][1] == (1, 1)  # the last stage's copy: cleared before, noticed after
+
+
 def test_forwards_between_the_reduction_and_the_step_leave_the_sum_on_every_copy() -> None:
     first, last = stages_of(0, 2)
     tie = PipelineTie([first, last])

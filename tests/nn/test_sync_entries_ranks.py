@@ -341,6 +341,27 @@ def test_on_each_group_of_a_device_mesh_the_ranks_take_their_own_groups_union() 
     assert not torch.equal(results[0][1][1]["trunk.weight"], results[1][1][1]["trunk.weight"])
 
 
+def _meta_gloo(store: Any, rank: int, size: int, timeout: Any) -> dist.ProcessGroup:
+    return dist.ProcessGroupGloo(store, rank, size)
+
+
+def test_a_group_on_another_backend_than_the_default_groups_gathers_on_its_own() -> None:
+    """``sync_entries`` gathers on the device of the group it is given: a gloo subgroup beside
+    a default group whose backend names another device (as an NCCL default group names
+    CUDA) syncs on the CPU, as the one-process model does, here with nothing to create."""
+    if "toolkit_meta" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("toolkit_meta", _meta_gloo, devices=["meta"])
+    dist.init_process_group("toolkit_meta", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0], backend="gloo")
+        model = _with_heads("a")(0)
+        before = _snapshot(model)
+        assert sync_entries(model, group) == []
+        _assert_same(_snapshot(model)[1], before[1])
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_rank_outside_the_group_is_refused_without_entering_its_collectives() -> None:
     """Ranks 0 and 1 synchronise in their group; rank 2, not in it, is told so at once."""
     results = _sync(_with_heads("a", "b", "c"), 3, [[0, 1]])

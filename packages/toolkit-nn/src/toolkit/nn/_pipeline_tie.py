@@ -139,7 +139,7 @@ class PipelineTie:
         self._late_backward = False  # a gradient added into a copy of ``_summed``
         # The tensors that a backward computes a copy's gradient for (the copy's Parameter, or
         # FSDP2's unsharded one) with the hook that clears the summed copies first.
-        self._hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()  # each with its hook
         self._watched: WeakIdKeyDictionary = WeakIdKeyDictionary()  # copies with the late check
         self._owners: set[int] = set()  # the FSDP2 modules whose forwards hook the unsharded
         for name in self.names:
@@ -333,20 +333,20 @@ class PipelineTie:
         where ``torch.autograd.grad`` takes it, as the zero-bubble schedules' weight step
         does before adding it in.
         """
-        if tensor in self._hooked or not tensor.requires_grad:
-            return
         hook = functools.partial(_before_accumulation, weakref.ref(self))
+        # The tensor keeps the hook it got first: a later call registers nothing.
+        first = self._hooked.setdefault(tensor, hook) if tensor.requires_grad else None  # type: ignore[no-untyped-call]
+        if first is not hook:
+            return
         tensor.register_hook(hook)  # type: ignore[no-untyped-call]
-        self._hooked[tensor] = True
 
     def _watch(self, param: nn.Parameter) -> None:
         """Notice a gradient added into ``param`` while it holds the sum, once per Parameter."""
-        if param in self._watched or not param.requires_grad:
+        hook = functools.partial(_after_accumulation, weakref.ref(self))
+        first = self._watched.setdefault(param, hook) if param.requires_grad else None  # type: ignore[no-untyped-call]
+        if first is not hook:
             return
-        param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-            functools.partial(_after_accumulation, weakref.ref(self))
-        )
-        self._watched[param] = True
+        param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
 
     def duplicates(self) -> Iterator[nn.Parameter]:
         """The copies not counted in a norm over the pipeline: all but the first stage's."""
