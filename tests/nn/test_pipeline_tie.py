@@ -258,6 +258,18 @@ def test_every_step_reuses_the_hooks_of_the_first_so_none_pile_up() -> None:
     assert counts[0][1] == (1, 1)  # the last stage's copy: cleared before, noticed after
 
 
+def test_a_copy_frozen_on_one_stage_gets_the_sum_without_hooks() -> None:
+    """A stage that froze its copy while another trains it: reduce_grads gives every copy the
+    sum, and hooks only what autograd can give a gradient (torch refuses a hook on a tensor
+    that needs none)."""
+    first, last = stages_of(0, 2)
+    last.emb.weight.requires_grad_(False)  # type: ignore[union-attr]
+    tie = PipelineTie([first, last])
+    two_stage_loss(first, last).backward()
+    tie.reduce_grads()
+    assert torch.equal(last.emb.weight.grad, first.emb.weight.grad)  # type: ignore[union-attr,arg-type]
+
+
 def test_forwards_between_the_reduction_and_the_step_leave_the_sum_on_every_copy() -> None:
     first, last = stages_of(0, 2)
     tie = PipelineTie([first, last])

@@ -904,8 +904,13 @@ def test_setting_the_tied_heads_weight_is_refused_and_leaves_the_tie() -> None:
     model = llama()
     head = tie_output_embeddings(model)
     weight = model.get_input_embeddings().weight
-    with pytest.raises(AttributeError, match="weight"):
+    with pytest.raises(AttributeError) as info:
         model.lm_head.weight = nn.Parameter(weight.detach().clone())
+    assert str(info.value) == (  # the one whole-message check of this error
+        "the tied head's weight is the input embeddings' weight, read live, and cannot be set: "
+        "the head owns no weight. To train a head with a weight of its own, use the stock "
+        "model, without tie_output_embeddings"
+    )
     assert head.weight is weight
     assert list(head.parameters()) == []
     head.note = "other attributes are set as on any module"

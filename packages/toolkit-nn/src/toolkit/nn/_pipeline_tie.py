@@ -198,8 +198,7 @@ class PipelineTie:
         for path in self._paths[name]:
             owner = next((m for m in reversed(path) if isinstance(m, FSDPModule)), None)
             if owner is not None:
-                if not _is_dtensor(_weight(path[-1])):
-                    owner.reshard()
+                owner.reshard()  # a no-op where it is sharded already
                 if id(owner) not in self._owners:
                     hook = functools.partial(_after_unshard, weakref.ref(self))
                     owner.register_forward_pre_hook(hook)  # after FSDP2's, which it prepends
