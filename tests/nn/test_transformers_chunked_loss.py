@@ -364,6 +364,26 @@ def test_switching_finds_the_wrapper_under_another_wrapper_of_the_forward() -> N
     assert model.forward is outer
 
 
+def test_a_forward_wrapped_before_the_tie_is_wrapped_in_turn() -> None:
+    """accelerate's ``prepare`` before the tie: the chunked loss wraps the instance's forward,
+    the wrapper with the model's own under it, and gives the stock loss."""
+    torch.manual_seed(0)
+    stock = llama()
+    model = copy.deepcopy(stock)
+    tie_output_embeddings(stock)
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def outer(*args: object, **kwargs: object) -> object:
+        return inner(*args, **kwargs)
+
+    model.forward = outer
+    tie_output_embeddings(model, chunked_loss=True)
+    assert model.forward.__wrapped__ is outer
+    ids, labels = batch()
+    assert_the_stock_loss_and_gradients(stock, model, ids, labels=labels)
+
+
 def test_return_dict_false_gives_the_stock_tuple_without_the_logits(build: Callable) -> None:
     stock, model, _ = stock_and_lean(build)
     ids, labels = batch()
