@@ -333,19 +333,14 @@ class PipelineTie:
         does before adding it in.
         """
         hook = functools.partial(_before_accumulation, weakref.ref(self))
-        # The tensor keeps the hook it got first: a later call registers nothing.
-        first = self._hooked.setdefault(tensor, hook) if tensor.requires_grad else None  # type: ignore[no-untyped-call]
-        if first is not hook:
-            return
-        tensor.register_hook(hook)  # type: ignore[no-untyped-call]
+        if _first_hook(self._hooked, tensor, hook):
+            tensor.register_hook(hook)  # type: ignore[no-untyped-call]
 
     def _watch(self, param: nn.Parameter) -> None:
         """Notice a gradient added into ``param`` while it holds the sum, once per Parameter."""
         hook = functools.partial(_after_accumulation, weakref.ref(self))
-        first = self._watched.setdefault(param, hook) if param.requires_grad else None  # type: ignore[no-untyped-call]
-        if first is not hook:
-            return
-        param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+        if _first_hook(self._watched, param, hook):
+            param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
 
     def duplicates(self) -> Iterator[nn.Parameter]:
         """The copies not counted in a norm over the pipeline: all but the first stage's."""
@@ -503,6 +498,14 @@ def _after_unshard(tie: weakref.ref[PipelineTie], module: nn.Module, args: objec
         for copies in live._copies.values():
             for copy in copies:
                 live._see(_weight(copy))
+
+
+def _first_hook(table: WeakIdKeyDictionary, tensor: torch.Tensor, hook: object) -> bool:
+    """Whether ``tensor`` takes ``hook``: it needs a gradient and has no hook in ``table`` yet.
+
+    The tensor keeps the hook it got first, so a later call registers nothing.
+    """
+    return tensor.requires_grad and table.setdefault(tensor, hook) is hook  # type: ignore[no-untyped-call]
 
 
 def _before_accumulation(tie: weakref.ref[PipelineTie], grad: torch.Tensor) -> None:
