@@ -715,11 +715,6 @@ def index_sources(sources: Mapping[str, Path]) -> Index:
     return index
 
 
-def function_hashes(path: Path, module: str) -> dict[str, str]:
-    """Each function and method of ``path`` by qualified name, with the hash of its code."""
-    return index_sources({f"src/{module.replace('.', '/')}.py": path}).hashes
-
-
 def dependencies(index: Index, calls: Mapping[str, Iterable[str]]) -> dict[str, str]:
     """Each function's dependency digest: what its mutants' outcomes read besides the tests.
 
