@@ -30,8 +30,9 @@ from transformers import (
 VOCAB = 61
 
 
-def llama(**overrides: object) -> LlamaForCausalLM:
-    options: dict[str, object] = {
+def decoder(**changes: object) -> dict[str, object]:
+    """The sizes of a small decoder, which the Llama-like configs share, with ``changes``."""
+    sizes: dict[str, object] = {
         "vocab_size": VOCAB,
         "hidden_size": 16,
         "intermediate_size": 32,
@@ -39,9 +40,13 @@ def llama(**overrides: object) -> LlamaForCausalLM:
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
         "max_position_embeddings": 64,
-        "tie_word_embeddings": True,  # False by default for Llama
     }
-    config = LlamaConfig(**{**options, **overrides})
+    return {**sizes, **changes}
+
+
+def llama(**overrides: object) -> LlamaForCausalLM:
+    # tie_word_embeddings is False by default for Llama
+    config = LlamaConfig(**{**decoder(tie_word_embeddings=True), **overrides})
     return LlamaForCausalLM(config)
 
 
@@ -63,30 +68,12 @@ def gpt2(**overrides: object) -> GPT2LMHeadModel:
 
 
 def qwen2() -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,  # False by default for Qwen2
-    )
+    config = Qwen2Config(**decoder(tie_word_embeddings=True))  # False by default for Qwen2
     return Qwen2ForCausalLM(config)
 
 
 def gemma2() -> Gemma2ForCausalLM:
-    config = Gemma2Config(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=64,
-    )
+    config = Gemma2Config(**decoder(head_dim=8))
     return Gemma2ForCausalLM(config)
 
 
@@ -108,33 +95,21 @@ def opt() -> OPTForCausalLM:
 
 def cohere() -> CohereForCausalLM:
     """Multiplies its logits by ``config.logit_scale`` before its loss."""
-    config = CohereConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        logit_scale=0.25,
-    )
+    config = CohereConfig(**decoder(num_hidden_layers=1, logit_scale=0.25))
     return CohereForCausalLM(config)
 
 
 def mixtral() -> MixtralForCausalLM:
     """A mixture of experts that adds its router's loss to its loss."""
     config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        tie_word_embeddings=True,
-        output_router_logits=True,
-        router_aux_loss_coef=0.5,
+        **decoder(
+            num_hidden_layers=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=True,
+            output_router_logits=True,
+            router_aux_loss_coef=0.5,
+        )
     )
     return MixtralForCausalLM(config)
 
@@ -159,17 +134,8 @@ def bart() -> BartForCausalLM:
 
 def gemma4() -> Gemma4ForConditionalGeneration:
     """A model whose soft-cap is in its text config, not at the top of its config."""
-    text = Gemma4TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=64,
-        final_logit_softcapping=3.0,  # small, so that it changes the loss much
-    )
+    # A small soft-cap, so that it changes the loss much.
+    text = Gemma4TextConfig(**decoder(head_dim=8, final_logit_softcapping=3.0))
     return Gemma4ForConditionalGeneration(
         Gemma4Config(text_config=text, vision_config=None, audio_config=None)
     )
