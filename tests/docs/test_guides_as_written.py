@@ -69,17 +69,22 @@ def commands(page: str) -> list[str]:
     ]
 
 
+# How many times a torchrun whose rank crashed in native code is launched (see run).
+LAUNCHES = 6
+
+
 def run(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
     """Run ``command``; fail the test with its output if it fails.
 
-    A ``torchrun`` in which a rank crashed in native code runs again, up to twice. The pages'
-    scripts end as users' do, with ``destroy_process_group()`` and a normal exit, and on two
-    busy cores gloo's worker thread now and then releases a finished collective's tensors
+    A ``torchrun`` in which a rank crashed in native code runs again, up to five times. The
+    pages' scripts end as users' do, with ``destroy_process_group()`` and a normal exit, and
+    on two cores gloo's worker thread now and then releases a finished collective's tensors
     while Python is shutting down, which aborts the process after its work is done (about one
-    launch in twelve of the pipeline page's, here); the rank processes of the other tests
-    leave with ``os._exit`` and do not meet it.
+    launch in twelve of the pipeline page's; the sharded training page's once crashed three
+    launches in a row); the rank processes of the other tests leave with ``os._exit`` and do
+    not meet it.
     """
-    for _ in range(3):
+    for _ in range(LAUNCHES):
         done = subprocess.run(
             command,
             cwd=cwd,
