@@ -176,18 +176,22 @@ def test_the_check_names_the_first_difference_and_the_fix() -> None:
     )
 
 
-def test_a_copy_frozen_alone_is_given_the_sum_and_the_copies_stay_equal() -> None:
+def test_a_copy_frozen_alone_is_refused_and_nothing_changes() -> None:
+    # One model has one tied Parameter, frozen or trained: a stage that froze its copy while
+    # another trains it has no one-process result.
     first, last = stages_of(0, 2)
     tie = PipelineTie([first, last])
     first.emb.weight.requires_grad_(False)  # the lookup's copy only
     last.emb.weight.grad = torch.full_like(last.emb.weight, 2.0)
-    for _ in range(2):
+    with pytest.raises(ValueError, match=r"^PipelineTie") as info:
         tie.reduce_grads()
-        assert torch.equal(first.emb.weight.grad, torch.full_like(first.emb.weight, 2.0))
-        assert torch.equal(last.emb.weight.grad, torch.full_like(last.emb.weight, 2.0))
-        assert first.emb.weight.grad is not last.emb.weight.grad
-    torch.optim.SGD([*first.parameters(), *last.parameters()], lr=0.1).step()
-    tie.check()
+    assert "'emb.weight'" in str(info.value)
+    assert "requires_grad_" in str(info.value)
+    assert first.emb.weight.grad is None
+    assert torch.equal(last.emb.weight.grad, torch.full_like(last.emb.weight, 2.0))
+    first.emb.weight.requires_grad_(True)  # trained alike again: summed as one weight
+    tie.reduce_grads()
+    assert torch.equal(first.emb.weight.grad, torch.full_like(first.emb.weight, 2.0))
 
 
 def test_accumulating_into_three_copies_on_one_rank_counts_each_backward_once() -> None:
@@ -258,16 +262,16 @@ def test_every_step_reuses_the_hooks_of_the_first_so_none_pile_up() -> None:
     assert counts[0][1] == (1, 1)  # the last stage's copy: cleared before, noticed after
 
 
-def test_a_copy_frozen_on_one_stage_gets_the_sum_without_hooks() -> None:
-    """A stage that froze its copy while another trains it: reduce_grads gives every copy the
-    sum, and hooks only what autograd can give a gradient (torch refuses a hook on a tensor
-    that needs none)."""
+def test_a_copy_frozen_before_set_up_is_refused_after_its_backward() -> None:
+    """The tie hooks only what autograd can give a gradient (torch refuses a hook on a tensor
+    that needs none), and refuses the frozen copy at the reduction."""
     first, last = stages_of(0, 2)
     last.emb.weight.requires_grad_(False)  # type: ignore[union-attr]
     tie = PipelineTie([first, last])
     two_stage_loss(first, last).backward()
-    tie.reduce_grads()
-    assert torch.equal(last.emb.weight.grad, first.emb.weight.grad)  # type: ignore[union-attr,arg-type]
+    with pytest.raises(ValueError, match=r"^PipelineTie"):
+        tie.reduce_grads()
+    assert last.emb.weight.grad is None  # type: ignore[union-attr]
 
 
 def test_forwards_between_the_reduction_and_the_step_leave_the_sum_on_every_copy() -> None:

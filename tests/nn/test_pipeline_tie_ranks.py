@@ -219,6 +219,31 @@ def test_a_copy_sharded_after_the_tie_was_built_is_refused_on_every_rank() -> No
     assert run_threads(3, rank_main) == [message] * 3
 
 
+def test_a_copy_frozen_on_one_stage_is_refused_on_every_rank_and_nothing_changes() -> None:
+    # The last stage froze its copy while the first trains it; the middle holds none.
+    stages = stages_of(0, 3)
+
+    def rank_main(rank: int) -> tuple[str, bool]:
+        stage = copy.deepcopy(stages[rank])
+        tie = PipelineTie(stage, dist.group.WORLD)
+        if rank == 0:
+            stage.emb.weight.grad = torch.ones_like(stage.emb.weight)
+        if rank == 2:
+            stage.emb.weight.requires_grad_(False)
+        with pytest.raises(ValueError) as info:  # noqa: PT011 - the message is checked below
+            tie.reduce_grads()
+        kept = rank != 0 or torch.equal(stage.emb.weight.grad, torch.ones_like(stage.emb.weight))
+        return str(info.value), kept and (rank != 2 or stage.emb.weight.grad is None)
+
+    message = (  # the one whole-message check of this error
+        "PipelineTie.reduce_grads() found copies of the tied weight 'emb.weight' that are "
+        "frozen (requires_grad=False) beside copies that train; in one model the tied weight "
+        "is one Parameter, frozen or trained as a whole. Freeze or unfreeze it in every stage "
+        "alike, with stage.get_submodule('emb').weight.requires_grad_(...) on each"
+    )
+    assert run_threads(3, rank_main) == [(message, True)] * 3
+
+
 # Groups: two pipelines side by side, ranks 0 and 1 in one, 2 and 3 in the other. -------------
 
 

@@ -243,7 +243,9 @@ class PipelineTie:
 
         Raises:
             ValueError: On every rank, if a copy's local shape changed since set-up (the
-                stages sharded after the tie was built); nothing is changed.
+                stages sharded after the tie was built), or if some copies of a tied weight are
+                frozen (``requires_grad=False``) and others not, which one Parameter cannot
+                be; nothing is changed.
             RuntimeError: On every rank, if a gradient was added into a copy holding the sum
                 that no hook of the tie saw coming (a copy under FSDP2 whose module's forward
                 did not run since the tie was built), so that the sum could not be cleared
@@ -251,7 +253,7 @@ class PipelineTie:
         """
         with torch.no_grad():
             holders = {name: self._gradient_holders(name) for name in self.names}
-            sums, present, problems = self._sums(holders)
+            sums, present, mixed, problems = self._sums(holders)
             late, changed = problems.tolist()
             if changed:
                 raise ValueError(
@@ -259,6 +261,15 @@ class PipelineTie:
                     "is not the one it had when the tie was built: the stages were sharded (by "
                     "fully_shard, say) after it. Build the PipelineTie after wrapping the stages"
                 )
+            for name in self.names:
+                if mixed[name]:
+                    raise ValueError(
+                        f"PipelineTie.reduce_grads() found copies of the tied weight "
+                        f"'{name}.weight' that are frozen (requires_grad=False) beside copies "
+                        "that train; in one model the tied weight is one Parameter, frozen or "
+                        "trained as a whole. Freeze or unfreeze it in every stage alike, with "
+                        f"stage.get_submodule('{name}').weight.requires_grad_(...) on each"
+                    )
             if late:
                 # Refused once: zeroed and redone, the step counts every copy as its own.
                 self._late_backward = False
@@ -276,21 +287,30 @@ class PipelineTie:
 
     def _sums(
         self, holders: dict[str, list[nn.Parameter]]
-    ) -> tuple[dict[str, torch.Tensor], dict[str, bool], torch.Tensor]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, bool], dict[str, bool], torch.Tensor]:
         """The tied weights' sums over the group, in one ``all_reduce``.
 
-        Returns each weight's sum, whether any copy of it had a gradient, and how many ranks
-        found a late gradient (see reduce_grads) and a copy whose local shape changed.
+        Returns each weight's sum, whether any copy of it had a gradient, whether some of its
+        copies are frozen and others not, and how many ranks found a late gradient (see
+        reduce_grads) and a copy whose local shape changed.
         """
         sizes = [math.prod(self._layouts[name].local_shape) for name in self._shared]
-        # A count of copies with a gradient per weight, then the ranks' two problems.
-        extra = len(self._shared) + 2
-        flat = torch.zeros(sum(sizes) + extra, dtype=self._dtype, device=self._device)
-        *parts, counts, problems = torch.split(flat, [*sizes, len(self._shared), 2])
+        # Per weight, the ranks with a copy that has a gradient, one that is frozen and one
+        # that trains; then the ranks' two problems.
+        shared = len(self._shared)
+        flat = torch.zeros(sum(sizes) + 3 * shared + 2, dtype=self._dtype, device=self._device)
+        *parts, counts, frozen, trained, problems = torch.split(
+            flat, [*sizes, shared, shared, shared, 2]
+        )
         changed = False
         sums: dict[str, torch.Tensor] = {}
         present: dict[str, bool] = {}
+        kinds: dict[str, tuple[bool, bool]] = {}
         for name in self.names:
+            kinds[name] = (
+                any(not p.requires_grad for p in holders[name]),
+                any(p.requires_grad for p in holders[name]),
+            )
             layout = self._layouts[name]
             if name in self._shared:
                 sums[name] = parts[self._shared.index(name)].view(layout.local_shape)
@@ -306,12 +326,17 @@ class PipelineTie:
                 if grad.shape == layout.local_shape and not self._holds_sum(param):
                     sums[name].add_(grad)
         counts.copy_(counts.new_tensor([float(present[n]) for n in self._shared]))
+        frozen.copy_(frozen.new_tensor([float(kinds[n][0]) for n in self._shared]))
+        trained.copy_(trained.new_tensor([float(kinds[n][1]) for n in self._shared]))
         problems.copy_(problems.new_tensor([float(self._late_backward), float(changed)]))
         if self._shared:
             dist.all_reduce(flat, group=self.group)
-        counted = counts.tolist()
-        present.update((name, counted[i] > 0) for i, name in enumerate(self._shared))
-        return sums, present, problems
+        counted, froze, trains = counts.tolist(), frozen.tolist(), trained.tolist()
+        for i, name in enumerate(self._shared):
+            present[name] = counted[i] > 0
+            kinds[name] = (froze[i] > 0, trains[i] > 0)
+        mixed = {name: all(kinds[name]) for name in self.names}
+        return sums, present, mixed, problems
 
     def _give(self, name: str, params: list[nn.Parameter], total: torch.Tensor) -> None:
         """Write ``total`` into the gradient of each of ``name``'s copies ``params``."""
