@@ -244,6 +244,32 @@ def test_a_copy_frozen_on_one_stage_is_refused_on_every_rank_and_nothing_changes
     assert run_threads(3, rank_main) == [(message, True)] * 3
 
 
+def test_a_weight_frozen_in_one_of_one_ranks_stages_is_refused_where_another_is_summed() -> None:
+    # "emb" is shared by rank 0 (stage 0) and rank 1 (stage 2); "aux_emb" is held by rank 1
+    # alone, in stages 1 and 2, and frozen in stage 1: neither rank writes any sum.
+    model = StageLM(n_blocks=3)
+    model.aux_emb = nn.Embedding(5, 8)
+    model.aux = TiedLinear(model.aux_emb)
+    stages = [split(model, stage, 3) for stage in range(3)]
+    stages[0].aux_emb, stages[0].aux = None, None
+
+    def rank_main(rank: int) -> tuple[str, list[torch.Tensor | None]]:
+        mine = [copy.deepcopy(stages[s]) for s in ([0] if rank == 0 else [1, 2])]
+        tie = PipelineTie(mine, dist.group.WORLD)
+        weights = [p for s in mine for n, p in s.named_parameters() if n.endswith("emb.weight")]
+        for weight in weights:
+            weight.grad = torch.ones_like(weight)
+        if rank == 1:
+            mine[0].aux_emb.weight.requires_grad_(False)
+        with pytest.raises(ValueError) as info:  # noqa: PT011 - the facts are checked below
+            tie.reduce_grads()
+        return str(info.value), [w.grad for w in weights]
+
+    for message, grads in run_threads(2, rank_main):
+        assert "'aux_emb.weight'" in message
+        assert all(torch.equal(grad, torch.ones_like(grad)) for grad in grads)  # type: ignore[arg-type]
+
+
 # Groups: two pipelines side by side, ranks 0 and 1 in one, 2 and 3 in the other. -------------
 
 

@@ -245,7 +245,8 @@ class PipelineTie:
             ValueError: On every rank, if a copy's local shape changed since set-up (the
                 stages sharded after the tie was built), or if some copies of a tied weight are
                 frozen (``requires_grad=False``) and others not, which one Parameter cannot
-                be; nothing is changed.
+                be; nothing is changed. When one rank holds every copy of every tied weight,
+                the call communicates nothing, and that rank alone raises.
             RuntimeError: On every rank, if a gradient was added into a copy holding the sum
                 that no hook of the tie saw coming (a copy under FSDP2 whose module's forward
                 did not run since the tie was built), so that the sum could not be cleared
@@ -295,12 +296,15 @@ class PipelineTie:
         reduce_grads) and a copy whose local shape changed.
         """
         sizes = [math.prod(self._layouts[name].local_shape) for name in self._shared]
-        # Per weight, the ranks with a copy that has a gradient, one that is frozen and one
-        # that trains; then the ranks' two problems.
-        shared = len(self._shared)
-        flat = torch.zeros(sum(sizes) + 3 * shared + 2, dtype=self._dtype, device=self._device)
+        # Per shared weight, the ranks with a copy that has a gradient; per weight, those with
+        # a frozen copy and those with one that trains, so that every rank that communicates
+        # sees a mix anywhere; then the ranks' two problems.
+        shared, tied = len(self._shared), len(self.names)
+        flat = torch.zeros(
+            sum(sizes) + shared + 2 * tied + 2, dtype=self._dtype, device=self._device
+        )
         *parts, counts, frozen, trained, problems = torch.split(
-            flat, [*sizes, shared, shared, shared, 2]
+            flat, [*sizes, shared, tied, tied, 2]
         )
         changed = False
         sums: dict[str, torch.Tensor] = {}
@@ -326,16 +330,14 @@ class PipelineTie:
                 if grad.shape == layout.local_shape and not self._holds_sum(param):
                     sums[name].add_(grad)
         counts.copy_(counts.new_tensor([float(present[n]) for n in self._shared]))
-        frozen.copy_(frozen.new_tensor([float(kinds[n][0]) for n in self._shared]))
-        trained.copy_(trained.new_tensor([float(kinds[n][1]) for n in self._shared]))
+        frozen.copy_(frozen.new_tensor([float(kinds[n][0]) for n in self.names]))
+        trained.copy_(trained.new_tensor([float(kinds[n][1]) for n in self.names]))
         problems.copy_(problems.new_tensor([float(self._late_backward), float(changed)]))
         if self._shared:
             dist.all_reduce(flat, group=self.group)
         counted, froze, trains = counts.tolist(), frozen.tolist(), trained.tolist()
-        for i, name in enumerate(self._shared):
-            present[name] = counted[i] > 0
-            kinds[name] = (froze[i] > 0, trains[i] > 0)
-        mixed = {name: all(kinds[name]) for name in self.names}
+        present.update((name, counted[i] > 0) for i, name in enumerate(self._shared))
+        mixed = {name: froze[i] > 0 and trains[i] > 0 for i, name in enumerate(self.names)}
         return sums, present, mixed, problems
 
     def _give(self, name: str, params: list[nn.Parameter], total: torch.Tensor) -> None:
