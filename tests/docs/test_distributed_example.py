@@ -141,9 +141,10 @@ def test_the_tie_adds_one_all_reduce_of_its_local_shard_and_nothing_else(
         assert tied == untied
         added = Counter(tied_sizes)
         added.subtract(untied_sizes)
-        # The local shard of the gradient, a counter (whether any copy had a gradient) and two
-        # flags (a gradient the tie could not clear the sum from first; a shard of another shape).
-        added[run["shard"] + 3] -= 1
+        # The local shard of the gradient, a counter (whether any copy had a gradient), two
+        # counters (copies frozen, copies that train) and two flags (a gradient the tie could not
+        # clear the sum from first; a shard of another shape).
+        added[run["shard"] + 5] -= 1
         # On a stage with a copy, the clip leaves the duplicate out: its agreement on which
         # DTensors have a gradient (two flags a parameter, one all-reduce per dimension of
         # the mesh) is one parameter shorter.
