@@ -3,17 +3,14 @@
 transformers offers no hook to tie a head that owns no weight, nor to take a causal LM's loss
 from its decoder's hidden states, so the tie patches the model instance, and only it:
 
-- ``tie_weights``: transformers ties the head to the input embeddings of the moment (a new one
-  after ``set_input_embeddings()``), through a mapping that no longer names the head; the patch
-  ties it as well.
-- ``init_parallel_plans``: ``post_init()`` rebuilds the parallel plans from the class, which
-  names the head; the patch drops it again.
-- ``_tied_weights_keys`` and ``all_tied_weights_keys``, set without the head's entry, which
-  would name a weight the model no longer has.
+- ``tie_weights``: transformers ties the head to the input embeddings of the moment through a
+  mapping that no longer names the head; the patch ties it as well.
+- ``init_parallel_plans``: ``post_init()`` rebuilds the plans from the class, which names the
+  head; the patch drops it again. ``_tied_weights_keys``, ``all_tied_weights_keys``: set
+  without the head's entry, which would name a weight the model no longer has.
 - A load_state_dict pre-hook, so that a checkpoint with the head's weight loads.
-- A forward pre-hook on the module that holds the embedding, which runs in every forward of
-  the model, TRL's fused one included: it refuses an adapter wrapped around the embedding or
-  around the head, whose weights the tied head and the lookup would no longer share.
+- A forward pre-hook on the embedding's owner, run by every forward (TRL's fused one too):
+  it refuses an adapter around the embedding or the head, whose weights would then differ.
 - With ``chunked_loss=True``, ``forward``: a training forward with labels runs the decoder
   and takes the loss with the head's ``cross_entropy``, for the architectures in ``ROUTES``.
 """
@@ -37,65 +34,54 @@ from toolkit.nn._tied_linear import TiedLinear
 
 __all__ = ["tie_output_embeddings"]
 
-GUIDE = "the transformers guide (docs/transformers.md, 'Architectures of the chunked loss')"
-
 
 class Route(NamedTuple):
     """How a causal LM computes its loss from its decoder's last hidden states."""
 
-    output: str  # the class of its output, in transformers.modeling_outputs
+    output: str  # its output's class, in transformers.modeling_outputs
     softcap: str | None = None  # the config's name of its logits' soft-cap
-    router: bool = False  # whether it adds router_aux_loss_coef * its router's load-balancing loss
+    router: bool = False  # whether it adds router_aux_loss_coef * its router's balancing loss
 
 
-# By exact class: a subclass may compute its loss otherwise. Each has a parity test.
+PLAIN, MOE = Route("CausalLMOutputWithPast"), Route("MoeCausalLMOutputWithPast", router=True)
+CAPPED = Route("CausalLMOutputWithPast", "final_logit_softcapping")
+RECURRENT = Route("CausalLMOutput", "logits_soft_cap")
+# By exact class (a subclass may compute its loss otherwise), each with its parity test.
 ROUTES = {
-    f"transformers.models.{path}": route
-    for path, route in {
-        "llama.modeling_llama.LlamaForCausalLM": Route("CausalLMOutputWithPast"),
-        "mistral.modeling_mistral.MistralForCausalLM": Route("CausalLMOutputWithPast"),
-        "qwen2.modeling_qwen2.Qwen2ForCausalLM": Route("CausalLMOutputWithPast"),
-        "qwen3.modeling_qwen3.Qwen3ForCausalLM": Route("CausalLMOutputWithPast"),
-        "gemma.modeling_gemma.GemmaForCausalLM": Route("CausalLMOutputWithPast"),
-        "gemma2.modeling_gemma2.Gemma2ForCausalLM": Route(
-            "CausalLMOutputWithPast", "final_logit_softcapping"
-        ),
-        "gemma3.modeling_gemma3.Gemma3ForCausalLM": Route(
-            "CausalLMOutputWithPast", "final_logit_softcapping"
-        ),
-        "gpt2.modeling_gpt2.GPT2LMHeadModel": Route("CausalLMOutputWithCrossAttentions"),
-        "phi3.modeling_phi3.Phi3ForCausalLM": Route("CausalLMOutputWithPast"),
-        "olmo2.modeling_olmo2.Olmo2ForCausalLM": Route("CausalLMOutputWithPast"),
-        "stablelm.modeling_stablelm.StableLmForCausalLM": Route("CausalLMOutputWithPast"),
-        "starcoder2.modeling_starcoder2.Starcoder2ForCausalLM": Route("CausalLMOutputWithPast"),
-        "mixtral.modeling_mixtral.MixtralForCausalLM": Route(
-            "MoeCausalLMOutputWithPast", router=True
-        ),
-        "qwen2_moe.modeling_qwen2_moe.Qwen2MoeForCausalLM": Route(
-            "MoeCausalLMOutputWithPast", router=True
-        ),
-        "recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaForCausalLM": Route(
-            "CausalLMOutput", "logits_soft_cap"
-        ),
-    }.items()
+    f"transformers.models.{name}.modeling_{name}.{cls}": route
+    for name, cls, route in [
+        ("llama", "LlamaForCausalLM", PLAIN),
+        ("mistral", "MistralForCausalLM", PLAIN),
+        ("qwen2", "Qwen2ForCausalLM", PLAIN),
+        ("qwen3", "Qwen3ForCausalLM", PLAIN),
+        ("gemma", "GemmaForCausalLM", PLAIN),
+        ("gemma2", "Gemma2ForCausalLM", CAPPED),
+        ("gemma3", "Gemma3ForCausalLM", CAPPED),
+        ("gpt2", "GPT2LMHeadModel", Route("CausalLMOutputWithCrossAttentions")),
+        ("phi3", "Phi3ForCausalLM", PLAIN),
+        ("olmo2", "Olmo2ForCausalLM", PLAIN),
+        ("stablelm", "StableLmForCausalLM", PLAIN),
+        ("starcoder2", "Starcoder2ForCausalLM", PLAIN),
+        ("mixtral", "MixtralForCausalLM", MOE),
+        ("qwen2_moe", "Qwen2MoeForCausalLM", MOE),
+        ("recurrent_gemma", "RecurrentGemmaForCausalLM", RECURRENT),
+    ]
 }
 
 
 def tie_output_embeddings(model: nn.Module, *, chunked_loss: bool = False) -> TiedLinear:
     """Make a transformers model's output embeddings a TiedLinear on its input embeddings.
 
-    The LM head that ``model.get_output_embeddings()`` returns is replaced, under the same
-    attribute, by a TiedLinear module on ``model.get_input_embeddings()`` that owns no
-    parameter, so the state dict holds the weight once, and what finds the head by name
-    (accelerate's FSDP2, hooks, TRL) finds it. The model works as the stock tied model. Call
-    it after ``from_pretrained`` returns; see the [transformers guide][hugging-face-transformers].
+    The head that ``model.get_output_embeddings()`` returns is replaced, under its name, by a
+    TiedLinear module on ``model.get_input_embeddings()`` that owns no parameter: the state
+    dict holds the weight once, and the model works as the stock tied model. Call it after
+    ``from_pretrained`` returns; see the [transformers guide][hugging-face-transformers].
 
     Args:
         model: A transformers ``PreTrainedModel`` whose config ties the word embeddings.
         chunked_loss: Whether a training forward with labels takes the loss with the head's
-            ``cross_entropy``, from the decoder's last hidden states, and returns no logits;
-            for the architectures the guide lists. A later call switches it. Added in
-            version v3.59.0.
+            ``cross_entropy`` and returns no logits, for the architectures the guide lists. A
+            later call switches it. Added in version v3.59.0.
 
     Returns:
         The head, also ``model.get_output_embeddings()``; an existing tied one is kept.
@@ -105,8 +91,8 @@ def tie_output_embeddings(model: nn.Module, *, chunked_loss: bool = False) -> Ti
         ValueError: If ``config.tie_word_embeddings`` is False, or the head is not the
             bias-free, tied Linear a tied model holds; with ``chunked_loss``, if the class is
             not listed, or another wrapper replaced ``model.forward``. Nothing is changed.
-        RuntimeError: If the input embeddings wrap the embedding (a PEFT adapter); so does
-            every forward once an adapter wraps the embedding or the head.
+        RuntimeError: If an adapter (PEFT's) wraps the embedding; so does every forward once
+            one wraps the embedding or the head.
 
     Added in version v3.59.0.
 
@@ -143,12 +129,14 @@ def tie_output_embeddings(model: nn.Module, *, chunked_loss: bool = False) -> Ti
             f"{kind} has no output embeddings (get_output_embeddings() returns None); tie a "
             "model with an LM head, such as a ...ForCausalLM class"
         )
+    modules = dict(model.named_modules())
+    path = next((name for name, module in modules.items() if module is output), "")
     if isinstance(output, _ModelHead) and output.tied_module is embedding:
-        _set_chunked_loss(model, chunked_loss)
+        _set_chunked_loss(model, chunked_loss, path)
         return output
     if isinstance(output, TiedLinear):
         raise ValueError(f"{kind}'s head already is {output!r}, not tied to the input embeddings")
-    if _wraps(embedding, nn.Module):
+    if _wraps_a_weight(embedding):
         raise _adapter_error(kind, embedding)
     if getattr(output, "weight", None) is not embedding.weight:
         raise ValueError(
@@ -161,35 +149,28 @@ def tie_output_embeddings(model: nn.Module, *, chunked_loss: bool = False) -> Ti
     if getattr(output, "bias", None) is not None:
         raise ValueError(f"{kind}'s head has a bias, which TiedLinear, bias-free, would drop")
     if chunked_loss:
-        _check_chunked_loss(model)  # first: it may refuse the model
-    modules = dict(model.named_modules())
-    path = next(name for name, module in modules.items() if module is output)
+        _set_chunked_loss(model, True, path)  # first: it may refuse the model
     source = next(name for name, module in modules.items() if module is embedding)
     tie_weights = functools.partial(_tie_weights, model, path, hf.tie_weights)
     init_plans = functools.partial(
         _init_parallel_plans, model, path, source, hf.init_parallel_plans
     )
-    mappings = _untied_mappings(model, f"{path}.weight")
     head = _set_head(model, path, embedding)
-    for owner, name, mapping in mappings:
-        setattr(owner, name, mapping)
+    _untie_mappings(model, f"{path}.weight")
     _drop_from_plans(model, path, source)
     hf.tie_weights, hf.init_parallel_plans = tie_weights, init_plans
     load_head = functools.partial(_load_head_key, f"{path}.weight", f"{source}.weight")
     owner = model.get_submodule(source.rpartition(".")[0])
     owner.register_forward_pre_hook(functools.partial(_check_adapters, model, path, source))
     model.register_load_state_dict_pre_hook(load_head)  # type: ignore[no-untyped-call]
-    if chunked_loss:
-        model.forward = _ChunkedLossForward(model, path)
     return head
 
 
 class _ModelHead(nn.Module, TiedLinear):
-    """The TiedLinear a model's head becomes: a module of the model that owns no parameter.
+    """The TiedLinear a model's head becomes: a module that owns no parameter.
 
     ``tied_module`` and ``linear`` are attributes, not submodules: the model registers the
-    embedding once, where it has it. Not an ``nn.Linear``, so that transformers' weight
-    initialisation, which draws a Linear's weight anew, leaves the embedding's alone.
+    embedding once. Not an ``nn.Linear``, whose weight transformers' initialisation draws anew.
     """
 
     bias = None  # bias-free, as the stock head; TRL's fused loss reads it
@@ -226,13 +207,10 @@ def _set_head(model: nn.Module, path: str, embedding: nn.Module) -> _ModelHead:
     return head
 
 
-def _wraps(module: nn.Module, inner: type[nn.Module] | nn.Module) -> bool:
-    """Whether ``module`` wraps (holds, and is not) ``inner``: a module, or a weight's owner."""
-    if isinstance(inner, nn.Module):
-        return module is not inner and any(m is inner for m in module.modules())
-    return "weight" not in module._parameters and any(
-        "weight" in m._parameters for m in module.modules() if m is not module
-    )
+def _wraps_a_weight(module: nn.Module) -> bool:
+    """Whether ``module`` owns no weight but holds a module that does (as PEFT's adapters)."""
+    inner = (m for m in module.modules() if m is not module)
+    return "weight" not in module._parameters and any("weight" in m._parameters for m in inner)
 
 
 def _adapter_error(kind: str, module: nn.Module, what: str = "input embeddings") -> RuntimeError:
@@ -248,13 +226,11 @@ def _adapter_error(kind: str, module: nn.Module, what: str = "input embeddings")
 
 def _check_adapters(model: nn.Module, path: str, source: str, *args: object) -> None:
     """Refuse an adapter that wraps the embedding or the tied head (a forward pre-hook)."""
-    kind = type(model).__name__
-    embedding = model.get_submodule(source)
-    if _wraps(embedding, nn.Module):
-        raise _adapter_error(kind, embedding)
-    head = model.get_submodule(path)
-    if any(_wraps(head, inner) for inner in head.modules() if isinstance(inner, _ModelHead)):
-        raise _adapter_error(kind, head, "output embeddings")
+    embedding, head = model.get_submodule(source), model.get_submodule(path)
+    if _wraps_a_weight(embedding):
+        raise _adapter_error(type(model).__name__, embedding)
+    if not isinstance(head, _ModelHead) and any(isinstance(m, _ModelHead) for m in head.modules()):
+        raise _adapter_error(type(model).__name__, head, "output embeddings")
 
 
 def _load_head_key(
@@ -265,17 +241,19 @@ def _load_head_key(
     prefix: str,
     *args: object,
 ) -> None:
-    """Take a state dict's head weight as the stock tied model would, or refuse it.
-
-    The same values as the embedding's are dropped, a head weight alone becomes the
-    embedding's, two different weights raise (the tied model has one).
-    """
+    """Take a checkpoint's head weight as the stock tied model: as the embedding's, or refuse."""
     head_key, embedding_key = prefix + head_key, prefix + embedding_key
     if head_key not in state_dict:
         return
     if embedding_key not in state_dict:
         state_dict[embedding_key] = state_dict.pop(head_key)
-    elif _same_values(state_dict[head_key], state_dict[embedding_key]):
+        return
+    head, embedding = state_dict[head_key], state_dict[embedding_key]
+    if head.is_meta or embedding.is_meta:  # which hold no values
+        same = head.shape == embedding.shape
+    else:
+        same = torch.equal(head.to(embedding.dtype), embedding)
+    if same:
         del state_dict[head_key]
     else:
         raise ValueError(
@@ -285,29 +263,14 @@ def _load_head_key(
         )
 
 
-def _same_values(head: torch.Tensor, embedding: torch.Tensor) -> bool:
-    """Whether ``head`` holds ``embedding``'s values, in its dtype; meta tensors hold none."""
-    if head.is_meta or embedding.is_meta:
-        return head.shape == embedding.shape
-    return torch.equal(head.to(embedding.dtype), embedding)
-
-
 def _tie_weights(
     model: nn.Module, path: str, tie_weights: Callable[..., object], *args: object, **kwargs: object
 ) -> None:
-    """Tie as transformers' ``tie_weights`` does, then the head at ``path`` as transformers would.
-
-    Whatever ``get_output_embeddings()`` returns becomes a tied head on the current input
-    embeddings, unless it already is one, or holds one (an adapter, refused at the forward).
-
-    Raises:
-        ValueError: If the head has a bias, which a TiedLinear cannot hold. It is left as it is.
-        RuntimeError: If the input embeddings wrap the embedding (a PEFT adapter).
-    """
+    """Tie as transformers does, then the head (a new one too) to the current input embeddings."""
     tie_weights(*args, **kwargs)
     hf: Any = model
     embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
-    wrapped = _wraps(embedding, nn.Module)  # by an adapter, which the forward refuses
+    wrapped = _wraps_a_weight(embedding)  # by an adapter, which the forward refuses
     if isinstance(head, nn.Module) and any(
         isinstance(m, _ModelHead) and (wrapped or m.tied_module is embedding)
         for m in head.modules()
@@ -335,12 +298,10 @@ def _init_parallel_plans(
 
 
 def _drop_from_plans(model: nn.Module, path: str, source: str) -> None:
-    """Drop the head at ``path`` from every parallel plan of ``model`` and its sub-models.
+    """Drop the head at ``path`` from the ``_<kind>_plan`` dicts of each model on its way.
 
-    Each ``PreTrainedModel`` on the way to the head keeps its ``_<kind>_plan`` dicts, keyed
-    relative to it. In an FSDP plan the embedding at ``source`` takes the head's rule, as
-    transformers folds it for a tied model: it keeps its weight unsharded
-    (``keep_full_weight``) if the head or the embedding did, or else joins its parent's unit.
+    In an FSDP plan the embedding at ``source`` takes the head's rule, as transformers folds it
+    for a tied model: ``keep_full_weight`` if the head or the embedding had it, or else none.
     """
     keep = "keep_full_weight"
     names = path.split(".")
@@ -362,13 +323,8 @@ def _drop_from_plans(model: nn.Module, path: str, source: str) -> None:
             setattr(module, name, kept)
 
 
-def _untied_mappings(model: nn.Module, key: str) -> list[tuple[nn.Module, str, dict[str, Any]]]:
-    """Each tied-weights mapping of ``model`` and its sub-models, without the entry of ``key``.
-
-    ``_tied_weights_keys`` (``{target: source}``, targets matched as ``"^" + target``) and
-    ``all_tied_weights_keys`` live on every ``PreTrainedModel``, keyed relative to it.
-    """
-    found = []
+def _untie_mappings(model: nn.Module, key: str) -> None:
+    """Drop ``key``'s entry from the tied-weights mappings of the models on the way to it."""
     for prefix, module in model.named_modules():
         start = f"{prefix}." if prefix else ""
         if not key.startswith(start):
@@ -377,58 +333,40 @@ def _untied_mappings(model: nn.Module, key: str) -> list[tuple[nn.Module, str, d
         for name in ("_tied_weights_keys", "all_tied_weights_keys"):
             mapping = getattr(module, name, None)
             if isinstance(mapping, dict):
-                kept = {t: s for t, s in mapping.items() if not re.match(t, own)}
-                found.append((module, name, kept))
-    return found
+                # transformers matches a target as the regular expression "^" + target.
+                setattr(module, name, {t: s for t, s in mapping.items() if not re.match(t, own)})
 
 
-def _check_chunked_loss(model: nn.Module) -> None:
-    """Refuse ``chunked_loss=True`` for a class not listed, or over another forward wrapper."""
-    cls = type(model)
-    if _name(cls) not in ROUTES:
-        raise ValueError(
-            f"chunked_loss computes the loss of the architectures listed in {GUIDE}, by exact "
-            f"class, and {cls.__module__}.{cls.__qualname__} is not among them; tie it with "
-            "chunked_loss=False (the stock loss of the logits), or train it with TRL's "
-            "SFTTrainer, whose own chunked loss reads the tied head's weight"
-        )
-    _check_not_wrapped(model)
-
-
-def _check_not_wrapped(model: nn.Module) -> None:
-    """Refuse to switch the chunked loss where another wrapper replaced ``model.forward``."""
-    forward = vars(model).get("forward")
-    if forward is None or isinstance(forward, _ChunkedLossForward):
-        return
-    # Where it was defined: functools.wraps gives a wrapper the wrapped one's names.
-    function = getattr(forward, "__func__", forward)
-    code = getattr(function, "__code__", None)
-    name = (
-        _name(type(function))
-        if code is None
-        else f"{function.__globals__['__name__']}.{code.co_qualname}"
-    )
-    raise ValueError(
-        f"{type(model).__name__}'s forward is already replaced by {name} (TRL's SFTTrainer "
-        "puts its fused loss there, accelerate its mixed precision), under which "
-        "tie_output_embeddings cannot switch the chunked loss: switch it before the wrapper "
-        "is made (before building the trainer), or keep chunked_loss=False; under "
-        "SFTTrainer, TRL's own chunked loss runs either way"
-    )
-
-
-def _set_chunked_loss(model: nn.Module, enabled: bool) -> None:
-    """Switch the chunked loss of a tied model, or refuse where another wrapper may hide it."""
+def _set_chunked_loss(model: nn.Module, enabled: bool, path: str) -> None:
+    """Switch the chunked loss, or refuse a class not listed, or another wrapper's forward."""
     forward = vars(model).get("forward")
     if isinstance(forward, _ChunkedLossForward):
         forward.enabled = enabled  # its class was checked when it was made
-    elif enabled:
-        _check_chunked_loss(model)
-        hf: Any = model
-        path = next(n for n, m in model.named_modules() if m is hf.get_output_embeddings())
+        return
+    cls, listed = type(model), _name(type(model)) in ROUTES
+    if enabled and not listed:
+        raise ValueError(
+            "chunked_loss computes the loss of the architectures listed in the transformers "
+            "guide (docs/transformers.md, 'Architectures of the chunked loss'), by exact "
+            f"class, and {_name(cls)} is not among them; tie it with chunked_loss=False (the "
+            "stock loss of the logits), or train it with TRL's SFTTrainer, whose own chunked "
+            "loss reads the tied head's weight"
+        )
+    if forward is not None and (enabled or listed):  # switched on, or maybe on under it
+        # Where it was defined: functools.wraps gives a wrapper the wrapped one's names.
+        function = getattr(forward, "__func__", forward)
+        name = _name(type(function))
+        if hasattr(function, "__code__"):
+            name = f"{function.__globals__['__name__']}.{function.__code__.co_qualname}"
+        raise ValueError(
+            f"{cls.__name__}'s forward is already replaced by {name} (TRL's SFTTrainer puts "
+            "its fused loss there, accelerate its mixed precision), under which "
+            "tie_output_embeddings cannot switch the chunked loss: switch it before the "
+            "wrapper is made (before building the trainer), or keep chunked_loss=False; under "
+            "SFTTrainer, TRL's own chunked loss runs either way"
+        )
+    if enabled:
         model.forward = _ChunkedLossForward(model, path)
-    elif _name(type(model)) in ROUTES:
-        _check_not_wrapped(model)  # the chunked loss may be under the wrapper
 
 
 def _name(cls: type) -> str:
@@ -436,13 +374,9 @@ def _name(cls: type) -> str:
 
 
 class _ChunkedLossForward:
-    """``model.forward`` of a model tied with ``chunked_loss=True``.
+    """``model.forward`` with ``chunked_loss=True``: a training call with labels runs lean.
 
-    In training mode, a call with labels (and ``logits_to_keep`` left at 0) runs the decoder
-    (``model.base_model``) as the model's forward does, and takes the loss with the tied
-    head's ``cross_entropy`` as ``ROUTES`` says; it returns the model's output with
-    ``logits=None``. Any other call is the model's forward. ``__wrapped__`` gives
-    ``inspect.signature`` the model's forward's, which the Trainer reads.
+    ``__wrapped__`` gives ``inspect.signature`` the model's forward's, which the Trainer reads.
     """
 
     def __init__(self, model: nn.Module, path: str) -> None:
@@ -483,8 +417,7 @@ def _lean_forward(model: Any, path: str, kind: str, kwargs: dict[str, Any]) -> A
     if not isinstance(head, _ModelHead) or model.loss_function is not ForCausalLMLoss:
         raise RuntimeError(
             f"{type(model).__name__}'s head or loss_function was replaced after the tie, so the "
-            "chunked loss, which computes the tied head's causal LM loss, would not be the "
-            "model's; tie it with chunked_loss=False"
+            "chunked loss would not be the model's; tie it with chunked_loss=False"
         )
     hidden = outputs.last_hidden_state
     ignore_index = kwargs.get("ignore_index", -100)
@@ -504,12 +437,8 @@ def _lean_forward(model: Any, path: str, kind: str, kwargs: dict[str, Any]) -> A
     fields = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
     if route.router and kwargs["output_router_logits"]:
         balance = vars(sys.modules[kind.rpartition(".")[0]])["load_balancing_loss_func"]
-        aux = balance(
-            outputs.router_logits,
-            model.num_experts,
-            model.num_experts_per_tok,
-            kwargs.get("attention_mask"),
-        )
+        experts = (model.num_experts, model.num_experts_per_tok)
+        aux = balance(outputs.router_logits, *experts, kwargs.get("attention_mask"))
         loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
         fields["aux_loss"] = aux
     result = getattr(modeling_outputs, route.output)(loss=loss, **fields)
