@@ -5,6 +5,7 @@ Nothing is downloaded; each builder takes config overrides.
 
 from __future__ import annotations
 
+import transformers
 from transformers import (
     BartConfig,
     BartForCausalLM,
@@ -72,8 +73,8 @@ def qwen2() -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config)
 
 
-def gemma2() -> Gemma2ForCausalLM:
-    config = Gemma2Config(**decoder(head_dim=8))
+def gemma2(**overrides: object) -> Gemma2ForCausalLM:
+    config = Gemma2Config(**{**decoder(head_dim=8), **overrides})
     return Gemma2ForCausalLM(config)
 
 
@@ -138,4 +139,86 @@ def gemma4() -> Gemma4ForConditionalGeneration:
     text = Gemma4TextConfig(**decoder(head_dim=8, final_logit_softcapping=3.0))
     return Gemma4ForConditionalGeneration(
         Gemma4Config(text_config=text, vision_config=None, audio_config=None)
+    )
+
+
+def build(config: str, model: str, **sizes: object) -> transformers.PreTrainedModel:
+    """``transformers.<model>`` of ``transformers.<config>(**sizes)``."""
+    return getattr(transformers, model)(getattr(transformers, config)(**sizes))  # type: ignore[no-any-return]
+
+
+# The architectures that chunked_loss lists, each a tied model without dropout; a soft-cap of
+# 3.0, which changes the loss much, where the architecture has one.
+TIED = {"tie_word_embeddings": True}
+CAUSAL_LMS = {
+    "llama": llama,
+    "mistral": lambda: build("MistralConfig", "MistralForCausalLM", **decoder(**TIED)),
+    "qwen2": qwen2,
+    "qwen3": lambda: build("Qwen3Config", "Qwen3ForCausalLM", **decoder(head_dim=8, **TIED)),
+    "gemma": lambda: build("GemmaConfig", "GemmaForCausalLM", **decoder(head_dim=8)),
+    "gemma2": lambda: gemma2(final_logit_softcapping=3.0),
+    "gemma3": lambda: build(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        **decoder(head_dim=8, final_logit_softcapping=3.0, sliding_window=4),
+    ),
+    "gpt2": gpt2,
+    "phi3": lambda: build(
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        **decoder(pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, **TIED),
+    ),
+    "olmo2": lambda: build("Olmo2Config", "Olmo2ForCausalLM", **decoder(pad_token_id=0, **TIED)),
+    "stablelm": lambda: build(
+        "StableLmConfig", "StableLmForCausalLM", **decoder(hidden_dropout=0.0, **TIED)
+    ),
+    "starcoder2": lambda: build(
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        **decoder(residual_dropout=0.0, embedding_dropout=0.0, **TIED),
+    ),
+    "mixtral": mixtral,
+    "qwen2_moe": lambda: build(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        **decoder(
+            num_hidden_layers=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            output_router_logits=True,
+            router_aux_loss_coef=0.5,
+            **TIED,
+        ),
+    ),
+    "recurrent_gemma": lambda: build(
+        "RecurrentGemmaConfig",
+        "RecurrentGemmaForCausalLM",
+        **decoder(
+            lru_width=16,
+            attention_window_size=8,
+            conv1d_width=2,
+            logits_soft_cap=3.0,
+            block_types=["recurrent", "attention"],
+            pad_token_id=0,
+        ),
+    ),
+}
+
+
+def bamba() -> transformers.PreTrainedModel:
+    """Adds a z-loss of its logits, ``z_loss_coefficient``, to its loss."""
+    return build(
+        "BambaConfig",
+        "BambaForCausalLM",
+        **decoder(
+            mamba_n_heads=2,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_chunk_size=4,
+            attn_layer_indices=[1],
+            z_loss_coefficient=0.1,
+            **TIED,
+        ),
     )

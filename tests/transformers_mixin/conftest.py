@@ -24,13 +24,14 @@ import pytest
 
 SDIST_TESTS = os.environ.get("TRANSFORMERS_SDIST_TESTS")
 
-# Tests that inspect what a head that is not an nn.Module cannot give, each with what a user
+# Tests that inspect what a head that is not an nn.Linear cannot give, each with what a user
 # of the tied model sees.
 EXPECTED = {
     "test_model_get_set_embeddings": (
-        "requires get_output_embeddings() to be None or an nn.Linear; the TiedLinear head is "
-        "not a Module, so code that checks the head's type sees another type (its forward, "
-        "weight and out_features are the stock head's)"
+        "requires get_output_embeddings() to be None or an nn.Linear; the tied head is a "
+        "module but no nn.Linear (whose weight transformers' initialisation would draw anew), "
+        "so code that checks the head's type sees another type (its forward, weight and "
+        "out_features are the stock head's)"
     ),
     "test_model_weights_reload_no_missing_tied_weights": (
         "from_pretrained's loading info is made before the model can be tied, and names "

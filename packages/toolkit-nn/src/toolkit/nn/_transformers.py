@@ -1,38 +1,87 @@
-"""tie_output_embeddings: a Hugging Face transformers model's LM head as a TiedLinear."""
+"""tie_output_embeddings: a Hugging Face transformers model's LM head as a TiedLinear.
+
+transformers offers no hook to tie a head that owns no weight, nor to take a causal LM's loss
+from its decoder's hidden states, so the tie patches the model instance, and only it:
+
+- ``tie_weights``: transformers ties the head to the input embeddings of the moment through a
+  mapping that no longer names the head; the patch ties it as well.
+- ``init_parallel_plans``: ``post_init()`` rebuilds the plans from the class, which names the
+  head; the patch drops it again. ``_tied_weights_keys``, ``all_tied_weights_keys``: set
+  without the head's entry, which would name a weight the model no longer has.
+- A load_state_dict pre-hook, so that a checkpoint with the head's weight loads.
+- A forward pre-hook on the embedding's owner, run by every forward (TRL's fused one too):
+  it refuses an adapter around the embedding or the head, whose weights would then differ.
+- With ``chunked_loss=True``, ``forward``: a training forward with labels runs the decoder
+  and takes the loss with the head's ``cross_entropy``, for the architectures in ``ROUTES``.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import copy
+import dataclasses
 import functools
+import inspect
 import re
-from collections.abc import Callable, Iterator
-from typing import Any, Self
+import sys
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from toolkit.nn._causal_lm_loss import LossRequest, set_chunked_loss
 from toolkit.nn._common import _Linear
 from toolkit.nn._tied_linear import TiedLinear
 
 __all__ = ["tie_output_embeddings"]
 
 
+class Route(NamedTuple):
+    """How a causal LM computes its loss from its decoder's last hidden states."""
+
+    output: str  # its output's class, in transformers.modeling_outputs
+    softcap: str | None = None  # the config's name of its logits' soft-cap
+    router: bool = False  # whether it adds router_aux_loss_coef * its router's balancing loss
+
+
+PLAIN, MOE = Route("CausalLMOutputWithPast"), Route("MoeCausalLMOutputWithPast", router=True)
+CAPPED = Route("CausalLMOutputWithPast", "final_logit_softcapping")
+RECURRENT = Route("CausalLMOutput", "logits_soft_cap")
+# By exact class (a subclass may compute its loss otherwise), each with its parity test.
+ROUTES = {
+    f"transformers.models.{name}.modeling_{name}.{cls}": route
+    for name, cls, route in [
+        ("llama", "LlamaForCausalLM", PLAIN),
+        ("mistral", "MistralForCausalLM", PLAIN),
+        ("qwen2", "Qwen2ForCausalLM", PLAIN),
+        ("qwen3", "Qwen3ForCausalLM", PLAIN),
+        ("gemma", "GemmaForCausalLM", PLAIN),
+        ("gemma2", "Gemma2ForCausalLM", CAPPED),
+        ("gemma3", "Gemma3ForCausalLM", CAPPED),
+        ("gpt2", "GPT2LMHeadModel", Route("CausalLMOutputWithCrossAttentions")),
+        ("phi3", "Phi3ForCausalLM", PLAIN),
+        ("olmo2", "Olmo2ForCausalLM", PLAIN),
+        ("stablelm", "StableLmForCausalLM", PLAIN),
+        ("starcoder2", "Starcoder2ForCausalLM", PLAIN),
+        ("mixtral", "MixtralForCausalLM", MOE),
+        ("qwen2_moe", "Qwen2MoeForCausalLM", MOE),
+        ("recurrent_gemma", "RecurrentGemmaForCausalLM", RECURRENT),
+    ]
+}
+
+
 def tie_output_embeddings(model: nn.Module, *, chunked_loss: bool = False) -> TiedLinear:
     """Make a transformers model's output embeddings a TiedLinear on its input embeddings.
 
-    The LM head that ``model.get_output_embeddings()`` returns is replaced, under the same
-    attribute, by a TiedLinear on ``model.get_input_embeddings()``: an ``nn.Linear`` that owns
-    no parameter, so the state dict holds the weight once, and what finds the head by name
-    (PEFT, accelerate's FSDP2, hooks) finds it. The model works as the stock tied model. Call
-    it after ``from_pretrained`` returns; see the [transformers guide][hugging-face-transformers].
+    The head that ``model.get_output_embeddings()`` returns is replaced, under its name, by a
+    TiedLinear module on ``model.get_input_embeddings()`` that owns no parameter: the state
+    dict holds the weight once, and the model works as the stock tied model. Call it after
+    ``from_pretrained`` returns; see the [transformers guide][hugging-face-transformers].
 
     Args:
         model: A transformers ``PreTrainedModel`` whose config ties the word embeddings.
-        chunked_loss: Whether ``model(..., labels=...)`` takes transformers' causal LM loss
-            from the head's ``cross_entropy`` and returns no logits; without labels the
-            forward gives them. A later call switches it. Added in version v3.59.0.
+        chunked_loss: Whether a training forward with labels takes the loss with the head's
+            ``cross_entropy`` and returns no logits, for the architectures the guide lists. A
+            later call switches it. Added in version v3.59.0.
 
     Returns:
         The head, also ``model.get_output_embeddings()``; an existing tied one is kept.
@@ -40,12 +89,10 @@ def tie_output_embeddings(model: nn.Module, *, chunked_loss: bool = False) -> Ti
     Raises:
         TypeError: If ``model`` is not a transformers model with input and output embeddings.
         ValueError: If ``config.tie_word_embeddings`` is False, or the head is not the
-            bias-free, tied Linear a tied model holds; with ``chunked_loss``, if the loss is
-            not ``ForCausalLMLoss``. Nothing is changed.
-        RuntimeError: If the input embeddings wrap the embedding (a PEFT adapter), whose
-            lookup the head would not follow; so does a later call. With ``chunked_loss``,
-            so does a forward with labels if an adapter replaced the head, or the logits
-            change before the loss otherwise than by ``final_logit_softcapping``.
+            bias-free, tied Linear a tied model holds; with ``chunked_loss``, if the class is
+            not listed, or another wrapper replaced ``model.forward``. Nothing is changed.
+        RuntimeError: If an adapter (PEFT's) wraps the embedding; so does every forward once
+            one wraps the embedding or the head.
 
     Added in version v3.59.0.
 
@@ -82,14 +129,15 @@ def tie_output_embeddings(model: nn.Module, *, chunked_loss: bool = False) -> Ti
             f"{kind} has no output embeddings (get_output_embeddings() returns None); tie a "
             "model with an LM head, such as a ...ForCausalLM class"
         )
+    modules = dict(model.named_modules())
+    path = next((name for name, module in modules.items() if module is output), "")
+    if isinstance(output, _ModelHead) and output.tied_module is embedding:
+        _set_chunked_loss(model, chunked_loss, path)
+        return output
     if isinstance(output, TiedLinear):
-        if output.tied_module is embedding:
-            path = next(name for name, module in model.named_modules() if module is output)
-            set_chunked_loss(model, path, chunked_loss)
-            return output
         raise ValueError(f"{kind}'s head already is {output!r}, not tied to the input embeddings")
-    if _wraps_an_embedding(embedding):
-        raise _adapted_embedding_error(kind, embedding)
+    if _wraps_a_weight(embedding):
+        raise _adapter_error(kind, embedding)
     if getattr(output, "weight", None) is not embedding.weight:
         raise ValueError(
             f"{kind}'s output embeddings do not share the input embeddings' weight, so the "
@@ -100,186 +148,89 @@ def tie_output_embeddings(model: nn.Module, *, chunked_loss: bool = False) -> Ti
         )
     if getattr(output, "bias", None) is not None:
         raise ValueError(f"{kind}'s head has a bias, which TiedLinear, bias-free, would drop")
-    modules = dict(model.named_modules())
-    path = next(name for name, module in modules.items() if module is output)
+    if chunked_loss:
+        _set_chunked_loss(model, True, path)  # first: it may refuse the model
     source = next(name for name, module in modules.items() if module is embedding)
-    set_chunked_loss(model, path, chunked_loss)  # first: it may refuse the model
-    # transformers' tie_weights() ties the head to the input embeddings of the moment, a
-    # new one after set_input_embeddings(): the model's own does the same for this head.
     tie_weights = functools.partial(_tie_weights, model, path, hf.tie_weights)
-    # post_init() rebuilds the parallel plans from the class, which names the head.
     init_plans = functools.partial(
         _init_parallel_plans, model, path, source, hf.init_parallel_plans
     )
-    mappings = _untied_mappings(model, f"{path}.weight")
     head = _set_head(model, path, embedding)
-    for owner, name, mapping in mappings:
-        setattr(owner, name, mapping)
+    _untie_mappings(model, f"{path}.weight")
     _drop_from_plans(model, path, source)
     hf.tie_weights, hf.init_parallel_plans = tie_weights, init_plans
     load_head = functools.partial(_load_head_key, f"{path}.weight", f"{source}.weight")
-    # The decoder that holds the embedding runs in every forward, also where an adapter
-    # library calls the model's forward method without its hooks.
     owner = model.get_submodule(source.rpartition(".")[0])
-    owner.register_forward_pre_hook(functools.partial(_check_tying_adapters, model, path))
+    owner.register_forward_pre_hook(functools.partial(_check_adapters, model, path, source))
     model.register_load_state_dict_pre_hook(load_head)  # type: ignore[no-untyped-call]
     return head
 
 
-class _ModelHead(nn.Linear, TiedLinear):
-    """The TiedLinear a model's head becomes: a module of the model, owning no parameter.
+class _ModelHead(nn.Module, TiedLinear):
+    """The TiedLinear a model's head becomes: a module that owns no parameter.
 
-    It stays where the stock model's head is, so that what finds the head by name (``print``,
-    ``named_modules()``, hooks, PEFT's targets, accelerate's FSDP2 units) finds it, and it is an
-    ``nn.Linear`` whose ``weight`` is ``tied_module.weight``, read live, as the stock head's is
-    the embedding's, so that a PEFT LoRA layer wraps it as it wraps the stock head. The state
-    dict holds the weight once, under the embedding. ``tied_module`` and ``linear`` are kept
-    off the module tree, which registers the embedding once, where the model has it.
-
-    The model must still look tokens up in ``tied_module``, not in a wrapper of it (a PEFT
-    adapter, say), whose lookup would use a weight the head does not read: every call checks.
+    ``tied_module`` and ``linear`` are attributes, not submodules: the model registers the
+    embedding once. Not an ``nn.Linear``, whose weight transformers' initialisation draws anew.
     """
 
-    _owner: nn.Module  # the module that holds the embedding as ``_name``
-    _name: str
-    _request: LossRequest | None = None  # set for one call by the model's forward
+    bias = None  # bias-free, as the stock head; TRL's fused loss reads it
 
-    def __init__(self, tied_module: nn.Module, owner: nn.Module, name: str) -> None:
-        nn.Module.__init__(self)  # nn.Linear's would make a weight of its own
-        self.register_parameter("bias", None)  # as on the stock, bias-free head
-        # In __dict__, not _modules: attributes of the head, not modules of the model.
-        vars(self).update(tied_module=tied_module, linear=_Linear(), _owner=owner, _name=name)
+    def __init__(self, tied_module: nn.Module) -> None:
+        super().__init__()
+        vars(self).update(tied_module=tied_module, linear=_Linear())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_lookup()
-        request = self._request
-        # The first call of the forward answers; a second one, or another thread's, gives logits.
-        if request is None or request.answered is not None or not request.asked_here():
-            return TiedLinear.__call__(self, x)
-        return request.answer(self, x)
+        return TiedLinear.__call__(self, x)
 
-    @contextlib.contextmanager
-    def loss_requested(self, request: LossRequest) -> Iterator[None]:
-        """Within the block, the head's next call answers ``request`` instead of the logits."""
-        yield from self._answering(request)
-
-    def _answering(self, request: LossRequest) -> Iterator[None]:
-        # Apart from the decorated method, which mutation testing leaves out.
-        self._request = request
-        try:
-            yield
-        finally:
-            self._request = None
-
-    def cross_entropy(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # noqa: ANN401 - passed on
-        self._check_lookup()
-        return super().cross_entropy(*args, **kwargs)
-
-    def requires_grad_(self, requires_grad: bool = True) -> Self:
+    def requires_grad_(self, requires_grad: bool = True) -> _ModelHead:
         """Set ``requires_grad`` of the tied weight, as the stock head's shared weight."""
         TiedLinear.requires_grad_(self, requires_grad)
         return self
 
-    def __repr__(self) -> str:
-        return TiedLinear.__repr__(self)
-
-    def __setattr__(self, name: str, value: Any) -> None:  # noqa: ANN401 - as Module's
-        self._set_attribute(name, value)
-
-    def _set_attribute(self, name: str, value: Any) -> None:  # noqa: ANN401 - as Module's
-        # Apart from __setattr__, which mutation testing leaves out.
-        if name == "weight":  # nn.Module's would say the attribute already exists
-            raise AttributeError(
-                "the tied head's weight is the input embeddings' weight, read live, and cannot "
-                "be set: the head owns no weight. To train a head with a weight of its own, "
-                "use the stock model, without tie_output_embeddings"
-            )
-        super().__setattr__(name, value)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
-        """A copy tied to the copy of the embedding, or alone, a Linear with a copy of the weight.
-
-        Within a copy of the model (``copy.deepcopy`` was called on something that holds the
-        head, so ``memo`` is not empty) the copy is the head's, whose attributes read the
-        copied embedding and model. A copy of the head alone (PEFT's ``modules_to_save``) is
-        what the stock head's copy is: an ``nn.Linear`` that owns a copy of the weight.
-        """
-        if memo:
-            twin = object.__new__(type(self))
-            memo[id(self)] = twin
-            twin.__dict__.update(copy.deepcopy(self.__dict__, memo))
-            return twin
-        alone: nn.Linear = torch.nn.utils.skip_init(  # type: ignore[no-untyped-call]
-            nn.Linear, self.in_features, self.out_features
+    def _replicate_for_data_parallel(self) -> nn.Module:
+        raise RuntimeError(
+            "nn.DataParallel replicates the model but not the tie: a replica's head would read "
+            "the original embedding. Train the tied model with DistributedDataParallel (torchrun "
+            "or accelerate launch; the Trainer uses it under either), or on one device"
         )
-        alone.register_parameter("bias", None)  # bias-free, as the head
-        alone.weight = copy.deepcopy(self.weight)
-        alone.train(self.training)
-        return alone
 
-    def _check_lookup(self) -> None:
-        current = self._owner._modules.get(self._name)
-        if (
-            current is not self.tied_module
-            and current is not None
-            and any(module is self.tied_module for module in current.modules())
-        ):
-            raise _adapted_embedding_error(type(self._owner).__name__, current)
+    __repr__ = TiedLinear.__repr__
 
 
-def _set_head(model: nn.Module, path: str, embedding: nn.Module) -> TiedLinear:
-    """Put a TiedLinear on ``embedding`` at ``path`` in ``model``, in place of what is there."""
+def _set_head(model: nn.Module, path: str, embedding: nn.Module) -> _ModelHead:
+    """Put a tied head on ``embedding`` at ``path`` in ``model``, in place of what is there."""
     parent_name, _, attribute = path.rpartition(".")
     parent = model.get_submodule(parent_name)
-    source = next(name for name, module in model.named_modules() if module is embedding)
-    owner_name, _, name = source.rpartition(".")
-    head = _ModelHead(embedding, model.get_submodule(owner_name), name)
+    head = _ModelHead(embedding)
     delattr(parent, attribute)
     setattr(parent, attribute, head)
     return head
 
 
-def _wraps_an_embedding(embedding: nn.Module) -> bool:
-    """Whether ``embedding`` holds no weight of its own but wraps a module that does."""
-    return "weight" not in embedding._parameters and any(
-        "weight" in module._parameters for module in embedding.modules() if module is not embedding
-    )
+def _wraps_a_weight(module: nn.Module) -> bool:
+    """Whether ``module`` owns no weight but holds a module that does (as PEFT's adapters)."""
+    inner = (m for m in module.modules() if m is not module)
+    return "weight" not in module._parameters and any("weight" in m._parameters for m in inner)
 
 
-def _adapted_embedding_error(kind: str, embedding: nn.Module) -> RuntimeError:
-    cls = type(embedding)
+def _adapter_error(kind: str, module: nn.Module, what: str = "input embeddings") -> RuntimeError:
+    cls = type(module)
     return RuntimeError(
-        f"{kind}'s input embeddings are a {cls.__module__}.{cls.__qualname__}, a module that "
-        "wraps the embedding the tied head reads (a PEFT adapter on the embedding, such as "
-        "LoRA, trainable tokens or modules_to_save), so the lookup and the head would not use "
-        "the same weight; "
-        "train such an adapter on the stock model, without tie_output_embeddings, or leave "
-        "the embedding out of the adapter's modules"
+        f"{kind}'s {what} are a {cls.__module__}.{cls.__qualname__}, a module that wraps the "
+        "tied embedding or head (a PEFT adapter such as LoRA, trainable tokens or "
+        "modules_to_save), so the lookup and the head would not use the same weight; train "
+        "such an adapter on the stock model, without tie_output_embeddings, or leave the "
+        "embedding and the head out of the adapter's modules"
     )
 
 
-def _check_tying_adapters(model: nn.Module, path: str, *args: object) -> None:
-    """Refuse an adapter on the head that PEFT's ``ensure_weight_tying`` would tie.
-
-    PEFT finds the modules tied to the embedding in ``_tied_weights_keys``, which no longer
-    name the head, so with ``ensure_weight_tying`` it would adapt the head alone, untied from
-    the embedding's adapter that the stock model ties it to.
-    """
-    configs = vars(model).get("peft_config")  # what PEFT sets on the model it adapts
-    if not isinstance(configs, dict) or not any(
-        vars(config).get("ensure_weight_tying") is True for config in configs.values()
-    ):
-        return
-    if isinstance(model.get_submodule(path), _ModelHead):
-        return  # no adapter on the head
-    raise RuntimeError(
-        f"{type(model).__name__}'s head {path!r} holds a PEFT adapter, and the adapter's "
-        "config has ensure_weight_tying=True, which on the stock model ties it to an adapter "
-        "on the input embeddings; the head tie_output_embeddings made is not in the model's "
-        "tied weights keys, so PEFT adapted the head alone, untied. Leave ensure_weight_tying "
-        f"off (the adapter on {path!r} then trains untied, as on the stock model), or train "
-        "the adapter on the stock model, without tie_output_embeddings"
-    )
+def _check_adapters(model: nn.Module, path: str, source: str, *args: object) -> None:
+    """Refuse an adapter that wraps the embedding or the tied head (a forward pre-hook)."""
+    embedding, head = model.get_submodule(source), model.get_submodule(path)
+    if _wraps_a_weight(embedding):
+        raise _adapter_error(type(model).__name__, embedding)
+    if not isinstance(head, _ModelHead) and any(isinstance(m, _ModelHead) for m in head.modules()):
+        raise _adapter_error(type(model).__name__, head, "output embeddings")
 
 
 def _load_head_key(
@@ -290,18 +241,19 @@ def _load_head_key(
     prefix: str,
     *args: object,
 ) -> None:
-    """Take a state dict's head weight as the stock tied model would, or refuse it.
-
-    A checkpoint of the stock model may hold the head's weight beside the embedding's: the
-    same values are dropped, a head weight alone becomes the embedding's, two different
-    weights raise (the tied model has one).
-    """
+    """Take a checkpoint's head weight as the stock tied model: as the embedding's, or refuse."""
     head_key, embedding_key = prefix + head_key, prefix + embedding_key
     if head_key not in state_dict:
         return
     if embedding_key not in state_dict:
         state_dict[embedding_key] = state_dict.pop(head_key)
-    elif _same_values(state_dict[head_key], state_dict[embedding_key]):
+        return
+    head, embedding = state_dict[head_key], state_dict[embedding_key]
+    if head.is_meta or embedding.is_meta:  # which hold no values
+        same = head.shape == embedding.shape
+    else:
+        same = torch.equal(head.to(embedding.dtype), embedding)
+    if same:
         del state_dict[head_key]
     else:
         raise ValueError(
@@ -311,44 +263,22 @@ def _load_head_key(
         )
 
 
-def _same_values(head: torch.Tensor, embedding: torch.Tensor) -> bool:
-    """Whether ``head`` holds ``embedding``'s values, in its dtype; meta tensors hold none."""
-    if head.is_meta or embedding.is_meta:
-        return head.shape == embedding.shape
-    return torch.equal(head.to(embedding.dtype), embedding)
-
-
 def _tie_weights(
     model: nn.Module, path: str, tie_weights: Callable[..., object], *args: object, **kwargs: object
 ) -> None:
-    """Tie as transformers' ``tie_weights`` does, then the head to the current input embeddings.
-
-    transformers ties the head's weight to the input embeddings of the moment: a new embedding
-    after ``set_input_embeddings()``, a new head after ``set_output_embeddings()``. Its mapping
-    no longer names the head, so the head is tied here: whatever ``get_output_embeddings()``
-    returns, unless it already is a TiedLinear on the input embeddings, becomes one at ``path``.
-
-    Raises:
-        ValueError: If the head has a bias, which the stock model keeps beside the tied weight
-            but a TiedLinear cannot hold. The head is left as it is.
-        RuntimeError: If the head is a new module and the input embeddings wrap the embedding
-            that holds the weight (a PEFT adapter), whose lookup a head would not follow.
-    """
+    """Tie as transformers does, then the head (a new one too) to the current input embeddings."""
     tie_weights(*args, **kwargs)
     hf: Any = model
-    embedding = hf.get_input_embeddings()
-    head = hf.get_output_embeddings()
-    wrapped = _wraps_an_embedding(embedding)
-    if isinstance(head, TiedLinear) and (head.tied_module is embedding or wrapped):
-        return  # tied, or on a wrapper (a PEFT adapter) that the head refuses on its next call
+    embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    wrapped = _wraps_a_weight(embedding)  # by an adapter, which the forward refuses
     if isinstance(head, nn.Module) and any(
-        isinstance(module, _ModelHead) and module.tied_module is embedding
-        for module in head.modules()
+        isinstance(m, _ModelHead) and (wrapped or m.tied_module is embedding)
+        for m in head.modules()
     ):
-        return  # an adapter (PEFT's) on the tied head, which the stock model keeps as well
+        return
     kind = type(model).__name__
     if wrapped:
-        raise _adapted_embedding_error(kind, embedding)
+        raise _adapter_error(kind, embedding)
     if getattr(head, "bias", None) is not None:
         raise ValueError(
             f"{kind}'s output embeddings, a {type(head).__name__} set after "
@@ -368,17 +298,10 @@ def _init_parallel_plans(
 
 
 def _drop_from_plans(model: nn.Module, path: str, source: str) -> None:
-    """Drop the head at ``path`` from every parallel plan of ``model`` and its sub-models.
+    """Drop the head at ``path`` from the ``_<kind>_plan`` dicts of each model on its way.
 
-    transformers keeps its plans (``_tp_plan``, ``_ep_plan``, ``_pp_plan``, ``_fsdp_plan``: each
-    ``_<kind>_plan`` that ``post_init`` sets on the instance) on each ``PreTrainedModel``, with
-    keys relative to it, so each sub-model on the way to the head holds the head's entries.
-    Once the head is no module, an entry for it names nothing, which FSDP would look up as a
-    submodule. In an FSDP plan, the embedding at ``source`` takes the head's rule, as
-    transformers folds it for a tied model when it shards: the head reads the embedding's
-    weight after the embedding's forward, so the embedding keeps it unsharded
-    (``keep_full_weight``) if the head or the embedding did, or else joins its parent's unit.
-    Dropping again changes nothing.
+    In an FSDP plan the embedding at ``source`` takes the head's rule, as transformers folds it
+    for a tied model: ``keep_full_weight`` if the head or the embedding had it, or else none.
     """
     keep = "keep_full_weight"
     names = path.split(".")
@@ -400,15 +323,8 @@ def _drop_from_plans(model: nn.Module, path: str, source: str) -> None:
             setattr(module, name, kept)
 
 
-def _untied_mappings(model: nn.Module, key: str) -> list[tuple[nn.Module, str, dict[str, Any]]]:
-    """Each tied-weights mapping of ``model`` and its sub-models, without the entry of ``key``.
-
-    transformers keeps ``_tied_weights_keys`` (``{target: source}``, possibly regular
-    expressions, read by ``post_init`` and ``tie_weights``) and ``all_tied_weights_keys``
-    (expanded, read by ``tie_weights(recompute_mapping=False)`` and loading) on every
-    ``PreTrainedModel``, with keys relative to it. The new values are set on the instances.
-    """
-    found = []
+def _untie_mappings(model: nn.Module, key: str) -> None:
+    """Drop ``key``'s entry from the tied-weights mappings of the models on the way to it."""
     for prefix, module in model.named_modules():
         start = f"{prefix}." if prefix else ""
         if not key.startswith(start):
@@ -418,6 +334,116 @@ def _untied_mappings(model: nn.Module, key: str) -> list[tuple[nn.Module, str, d
             mapping = getattr(module, name, None)
             if isinstance(mapping, dict):
                 # transformers matches a target as the regular expression "^" + target.
-                kept = {t: s for t, s in mapping.items() if not re.match(t, own)}
-                found.append((module, name, kept))
-    return found
+                setattr(module, name, {t: s for t, s in mapping.items() if not re.match(t, own)})
+
+
+def _set_chunked_loss(model: nn.Module, enabled: bool, path: str) -> None:
+    """Switch the chunked loss, or refuse a class not listed, or another wrapper's forward."""
+    forward = vars(model).get("forward")
+    if isinstance(forward, _ChunkedLossForward):
+        forward.enabled = enabled  # its class was checked when it was made
+        return
+    cls, listed = type(model), _name(type(model)) in ROUTES
+    if enabled and not listed:
+        raise ValueError(
+            "chunked_loss computes the loss of the architectures listed in the transformers "
+            "guide (docs/transformers.md, 'Architectures of the chunked loss'), by exact "
+            f"class, and {_name(cls)} is not among them; tie it with chunked_loss=False (the "
+            "stock loss of the logits), or train it with TRL's SFTTrainer, whose own chunked "
+            "loss reads the tied head's weight"
+        )
+    if forward is not None and (enabled or listed):  # switched on, or maybe on under it
+        # Where it was defined: functools.wraps gives a wrapper the wrapped one's names.
+        function = getattr(forward, "__func__", forward)
+        name = _name(type(function))
+        if hasattr(function, "__code__"):
+            name = f"{function.__globals__['__name__']}.{function.__code__.co_qualname}"
+        raise ValueError(
+            f"{cls.__name__}'s forward is already replaced by {name} (TRL's SFTTrainer puts "
+            "its fused loss there, accelerate its mixed precision), under which "
+            "tie_output_embeddings cannot switch the chunked loss: switch it before the "
+            "wrapper is made (before building the trainer), or keep chunked_loss=False; under "
+            "SFTTrainer, TRL's own chunked loss runs either way"
+        )
+    if enabled:
+        model.forward = _ChunkedLossForward(model, path)
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class _ChunkedLossForward:
+    """``model.forward`` with ``chunked_loss=True``: a training call with labels runs lean.
+
+    ``__wrapped__`` gives ``inspect.signature`` the model's forward's, which the Trainer reads.
+    """
+
+    def __init__(self, model: nn.Module, path: str) -> None:
+        # The class's name now: FSDP2's fully_shard later makes the model a subclass.
+        self.model, self.path, self.kind, self.enabled = model, path, _name(type(model)), True
+        self.__wrapped__ = model.forward
+        parameters = inspect.signature(self.__wrapped__).parameters.values()
+        self.positional = tuple(
+            p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - the model's
+        model: Any = self.model
+        named = dict(zip(self.positional, args))  # noqa: B905 - fewer args than names
+        if len(args) > len(self.positional) or named.keys() & kwargs.keys():
+            return self.__wrapped__(*args, **kwargs)  # which raises the TypeError Python would
+        kwargs.update(named)
+        keep = kwargs.get("logits_to_keep", 0)
+        lean = isinstance(keep, int) and keep == 0 and kwargs.get("labels") is not None
+        if not (self.enabled and model.training and lean):
+            return self.__wrapped__(**kwargs)
+        return _lean_forward(model, self.path, self.kind, kwargs)
+
+
+def _lean_forward(model: Any, path: str, kind: str, kwargs: dict[str, Any]) -> Any:  # noqa: ANN401
+    """The listed model's forward of ``kwargs``, with the loss from its head's input."""
+    from transformers import modeling_outputs  # noqa: PLC0415 - the model's library
+    from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: PLC0415
+
+    config, route = model.config, ROUTES[kind]
+    labels = kwargs.pop("labels")
+    kwargs.pop("logits_to_keep", None)
+    return_dict = kwargs.pop("return_dict", None)
+    if route.router and kwargs.get("output_router_logits") is None:
+        kwargs["output_router_logits"] = config.output_router_logits
+    outputs = model.base_model(**kwargs)  # as the model's forward calls it
+    head = model.get_submodule(path)
+    if not isinstance(head, _ModelHead) or model.loss_function is not ForCausalLMLoss:
+        raise RuntimeError(
+            f"{type(model).__name__}'s head or loss_function was replaced after the tie, so the "
+            "chunked loss would not be the model's; tie it with chunked_loss=False"
+        )
+    hidden = outputs.last_hidden_state
+    ignore_index = kwargs.get("ignore_index", -100)
+    target = kwargs.get("shift_labels")
+    if target is None:  # as transformers shifts: tokens < n predict n
+        target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    num_items = kwargs.get("num_items_in_batch")
+    loss = head.cross_entropy(
+        hidden,
+        target.to(hidden.device),
+        ignore_index=ignore_index,
+        reduction="mean" if num_items is None else "sum",
+        softcap=None if route.softcap is None else getattr(config, route.softcap),
+    ).float()  # transformers' loss is float32
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    fields = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
+    if route.router and kwargs["output_router_logits"]:
+        balance = vars(sys.modules[kind.rpartition(".")[0]])["load_balancing_loss_func"]
+        experts = (model.num_experts, model.num_experts_per_tok)
+        aux = balance(outputs.router_logits, *experts, kwargs.get("attention_mask"))
+        loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
+        fields["aux_loss"] = aux
+    result = getattr(modeling_outputs, route.output)(loss=loss, **fields)
+    if (config.return_dict if return_dict is None else return_dict) is not False:
+        return result
+    # As the stock model's to_tuple(): its values that are not None, here None for the logits.
+    values = [(field.name, getattr(result, field.name)) for field in dataclasses.fields(result)]
+    return tuple(value for name, value in values if value is not None or name == "logits")
