@@ -343,12 +343,19 @@ def _row_losses(
 class _Gradients:
     """The gradients of x (by chunk) and of the weight, summed over the chunks.
 
-    In place, into one ``(N, D)`` buffer and one ``(V, D)`` buffer; under grad mode, out of
-    place, so that autograd can differentiate them.
+    In place, into one ``(tokens, D)`` buffer and one ``(V, D)`` buffer; under grad mode, out
+    of place, so that autograd can differentiate them.
     """
 
     def __init__(
-        self, x: torch.Tensor, w_mm: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool
+        self,
+        x: torch.Tensor,
+        w_mm: torch.Tensor,
+        o: _Options,
+        *,
+        tokens: int,
+        want_x: bool,
+        want_w: bool,
     ) -> None:
         self.inplace = not torch.is_grad_enabled()
         self.mm, self.acc = o.mm_dtype, _accumulation_dtype(o.mm_dtype)
@@ -359,7 +366,7 @@ class _Gradients:
         self.w_x = w_mm.to(x_dtype)
         self.want_x = want_x
         self.x_buffer = (
-            torch.empty(x.shape, dtype=x_dtype, device=x.device)
+            torch.empty((tokens, x.shape[1]), dtype=x_dtype, device=x.device)
             if want_x and self.inplace
             else None
         )
@@ -426,15 +433,14 @@ def _counted_chunks(
     if not (torch.compiler.is_compiling() or torch.is_grad_enabled()):
         rows = (target != o.ignore_index).nonzero().squeeze(1)
     if rows is None or len(rows) == len(target):
-        return _chunks(x, weight, target, o, row_weight, want_x, want_w, check)
+        return _chunks(x, weight, target, o, row_weight, want_x, want_w, check, None)
     row_weight = None if row_weight is None else row_weight[rows]
     loss, grad_x, grad_w = _chunks(
-        x[rows], weight, target[rows], o, row_weight, want_x, want_w, check
+        x, weight, target[rows], o, row_weight, want_x, want_w, check, rows
     )
-    # Fresh tensors, updated in place under grad mode too: index_copy_ is differentiable.
     loss = loss.new_zeros(target.shape).index_copy_(0, rows, loss)
     if grad_x is not None:
-        grad_x = grad_x.new_zeros((len(target), x.shape[1])).index_copy_(0, rows, grad_x)
+        grad_x = grad_x.new_zeros(x.shape).index_copy_(0, rows, grad_x)
     return loss, grad_x, grad_w
 
 
@@ -447,23 +453,25 @@ def _chunks(
     want_x: bool,
     want_w: bool,
     check: _SameCall | None,
+    rows: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Each token's loss, and the gradients of ``sum(row_weight * loss)`` for x and weight.
 
-    ``x`` is ``(N, D)``, ``target`` ``(N,)``; ``row_weight`` ``(N,)`` is the incoming gradient
-    of each token's loss, or None for one per token. The gradient of ``x`` has the products'
-    dtype (float32 for float16; or x's, if wider, out of place), the weight's the
-    accumulation dtype. Under grad mode every operation is out of place and differentiable,
-    but for updates of fresh results; otherwise the chunk's buffers are reused in place. With
-    ``check``, the first chunk has at most ``_FIRST_ROWS`` tokens, and is taken even with no
-    token, so that the ranks' calls are compared in its all-reduce.
+    ``x`` is ``(N, D)``; the tokens are its ``rows`` (all of them for None), ``target`` and
+    ``row_weight`` theirs. ``row_weight`` is the incoming gradient of each token's loss, or
+    None for one per token. The gradient of the tokens of ``x`` has the products' dtype
+    (float32 for float16; or x's, if wider, out of place), the weight's the accumulation
+    dtype. Under grad mode every operation is out of place and differentiable, but for updates
+    of fresh results; otherwise the chunk's buffers are reused in place. With ``check``, the
+    first chunk has at most ``_FIRST_ROWS`` tokens, and is taken even with no token, so that
+    the ranks' calls are compared in its all-reduce.
     """
-    num_tokens, vocab = x.shape[0], weight.shape[0]
+    num_tokens, vocab = len(target), weight.shape[0]
     acc = _accumulation_dtype(o.mm_dtype)
     w_mm = weight.to(o.mm_dtype)
     keep = target != o.ignore_index
     index = torch.where(keep, target, 0).unsqueeze(1)
-    grads = _Gradients(x, w_mm, o, want_x=want_x, want_w=want_w)
+    grads = _Gradients(x, w_mm, o, tokens=num_tokens, want_x=want_x, want_w=want_w)
     buffer = None
     if grads.inplace:  # one chunk's logits, reused: their softmax and gradient replace them
         shape = (min(o.chunk_size, num_tokens), vocab)
@@ -473,7 +481,7 @@ def _chunks(
         starts = [0, *range(min(o.chunk_size, _FIRST_ROWS), num_tokens, o.chunk_size)]
     losses = []
     for start, stop in itertools.pairwise([*starts, num_tokens]):
-        x_c = x[start:stop].to(o.mm_dtype)
+        x_c = (x[start:stop] if rows is None else x[rows[start:stop]]).to(o.mm_dtype)
         z = _chunk_logits(x_c, w_mm, acc, buffer)
         row, grad = _row_losses(
             z,
