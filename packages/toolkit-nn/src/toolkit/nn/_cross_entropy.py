@@ -23,8 +23,8 @@ computed.
 
 Only the counted tokens are computed: those whose target is ``ignore_index`` are left out
 before the first product, and get a loss of 0 and a gradient of 0. Under ``torch.compile``,
-where the number of counted tokens would be a dynamic shape, every token is computed and the
-ignored ones are masked.
+where the number of counted tokens would be a dynamic shape, and in a backward that builds a
+graph, every token is computed and the ignored ones are masked.
 """
 
 from __future__ import annotations
