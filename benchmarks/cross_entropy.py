@@ -15,6 +15,16 @@ forward and backward, in float32, where ``w`` is a tied embedding's weight:
 - ``plain_fp16`` and ``toolkit_fp16``, on request: the plain path (logits widened to float32,
   as autocast's ``F.cross_entropy`` does) and ``head.cross_entropy(h, t)``, both on a float16
   weight and input, with the loss scaled by 65536 as ``GradScaler`` does;
+- ``plain_ignored50``, ``toolkit_ignored50``, ``plain_ignored90`` and ``toolkit_ignored90``:
+  ``plain`` and ``toolkit`` with 50% and 90% of the targets (at random positions) set to
+  ``ignore_index``, as a prompt's tokens are in supervised fine-tuning; ``toolkit`` computes
+  the logits of the counted tokens only;
+  with them, ``paired_ignored`` times ``toolkit`` with none, 50% and 90% ignored in one
+  process, step by step in rotating order, and gives each share's median ratio to none
+  (``--child paired_ignored_compiled SHAPE --steps BLOCKS`` does so compiled);
+- ``toolkit_compiled`` and ``toolkit_compiled_ignored50``, on request: ``head.cross_entropy``
+  under ``torch.compile(fullgraph=True)`` (inductor), which computes every token, with none
+  and half of the targets ignored; compiled in the process's warm-up, at the measured shape;
 - ``tp_loss_parallel`` and ``tp_toolkit``: on 2 gloo ranks with the weight sharded on the
   vocabulary, ``loss_parallel()`` over the sharded logits and ``head.cross_entropy`` on the
   shard (``cross_entropy_parallel.py``).
@@ -27,8 +37,9 @@ during the timed steps, so it counts what the loss allocates (logits, softmax, t
 gradients of ``h`` and ``w``) and not the inputs or library start-up. The variants
 alternate, round after round, and the report gives medians over rounds and each variant's
 ratios to its reference: ``plain_capped`` for ``toolkit_capped``, ``tp_loss_parallel`` for
-the tensor-parallel variants, ``plain`` for the others. On a shared machine absolute times
-are noisy; the medians of alternated runs keep the ratios meaningful.
+the tensor-parallel variants, the plain path with the same targets for the others. On a
+shared machine absolute times are noisy; the medians of alternated runs keep the ratios
+meaningful.
 
 Run it with ``python benchmarks/cross_entropy.py`` (``--quick`` for one small shape).
 """
@@ -36,6 +47,7 @@ Run it with ``python benchmarks/cross_entropy.py`` (``--quick`` for one small sh
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -43,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +67,9 @@ from torch import nn
 
 from toolkit.nn import TiedLinear
 
+# The share of ignored targets that a variant's suffix names; none without one.
+IGNORED = {"_ignored50": 0.5, "_ignored90": 0.9}
+IGNORED_VARIANTS = tuple(f"{v}{suffix}" for suffix in IGNORED for v in ("plain", "toolkit"))
 VARIANTS = (
     "plain",
     "torch_reference",
@@ -62,11 +78,14 @@ VARIANTS = (
     "toolkit_none",
     "plain_capped",
     "toolkit_capped",
+    *IGNORED_VARIANTS,
     *cross_entropy_parallel.VARIANTS,
 )
 # Fixed chunks around the default rule (524 tokens at a 32,000 vocabulary in float32), on
 # request (--variants).
 CHUNK_VARIANTS = ("toolkit_chunk_256", "toolkit_chunk_512", "toolkit_chunk_1024")
+# Compiled, on request (--variants): compiling takes minutes on these cores.
+COMPILED_VARIANTS = ("toolkit_compiled", "toolkit_compiled_ignored50")
 # float16 with a loss scale, on request (--variants): float16 products are slow on the CPU.
 FP16_VARIANTS = ("plain_fp16", "toolkit_fp16")
 LOSS_SCALE = 65536.0
@@ -79,9 +98,18 @@ QUICK_SHAPES = ((1024, 256, 8000),)
 WARMUP_SHAPE = (256, 64, 1000)
 
 
+def _ignored(variant: str) -> tuple[str, float]:
+    """The variant without its suffix, and the share of targets ignored that it names."""
+    for suffix, share in IGNORED.items():
+        if variant.endswith(suffix):
+            return variant.removesuffix(suffix), share
+    return variant, 0.0
+
+
 def _step(variant: str, head: TiedLinear, h: torch.Tensor, t: torch.Tensor) -> None:
     """One forward and backward of ``variant``; the gradients stay in ``.grad``."""
     loss: torch.Tensor
+    variant = _ignored(variant)[0]
     if variant == "plain":
         loss = F.cross_entropy(head(h), t)
     elif variant == "torch_reference":
@@ -96,6 +124,8 @@ def _step(variant: str, head: TiedLinear, h: torch.Tensor, t: torch.Tensor) -> N
         capped = SOFTCAP * torch.tanh(head(h) / SOFTCAP)
         z = torch.logsumexp(capped, dim=-1).square().mean()
         loss = F.cross_entropy(capped, t) + Z_LOSS * z
+    elif variant == "toolkit_compiled":
+        loss = _compiled(head, h, t)
     elif variant == "toolkit_capped":
         loss = head.cross_entropy(h, t, z_loss=Z_LOSS, softcap=SOFTCAP)
     elif variant == "plain_fp16":
@@ -109,10 +139,21 @@ def _step(variant: str, head: TiedLinear, h: torch.Tensor, t: torch.Tensor) -> N
     loss.backward()  # type: ignore[no-untyped-call]
 
 
+@functools.cache
+def _compiled_loss() -> Callable[[TiedLinear, torch.Tensor, torch.Tensor], torch.Tensor]:
+    return torch.compile(lambda head, h, t: head.cross_entropy(h, t), fullgraph=True)
+
+
+def _compiled(head: TiedLinear, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return _compiled_loss()(head, h, t)
+
+
 def _inputs(
-    tokens: int, hidden: int, vocab: int, dtype: torch.dtype = torch.float32
+    tokens: int, hidden: int, vocab: int, dtype: torch.dtype = torch.float32, ignored: float = 0.0
 ) -> tuple[nn.Embedding, TiedLinear, torch.Tensor, torch.Tensor]:
     embedding, h, t = cross_entropy_parallel.inputs(tokens, hidden, vocab)
+    positions = torch.randperm(tokens, generator=torch.Generator().manual_seed(1))
+    t[positions[: round(tokens * ignored)]] = -100
     embedding.to(dtype)
     h = h.detach().to(dtype).requires_grad_()
     return embedding, TiedLinear(embedding), h, t
@@ -121,10 +162,13 @@ def _inputs(
 def measure(variant: str, shape: tuple[int, int, int], steps: int) -> dict[str, float]:
     """In this process: warm up, then time ``steps`` steps and take the peak over baseline."""
     dtype = torch.float16 if variant.endswith("_fp16") else torch.float32
-    _, head, h, t = _inputs(*WARMUP_SHAPE, dtype)
+    ignored = _ignored(variant)[1]
+    # A compiled variant warms up at the measured shape, which it compiles for.
+    warmup = shape if "compiled" in variant else WARMUP_SHAPE
+    _, head, h, t = _inputs(*warmup, dtype, ignored)
     for _ in range(2):
         _step(variant, head, h, t)
-    embedding, head, h, t = _inputs(*shape, dtype)
+    embedding, head, h, t = _inputs(*shape, dtype, ignored)
     del _
     gc.collect()
     clear_refs = Path("/proc/self/clear_refs")
@@ -161,7 +205,8 @@ def _reference(variant: str) -> str:
         return "plain_fp16"
     if variant in cross_entropy_parallel.VARIANTS:
         return "tp_loss_parallel"
-    return "plain"
+    base = _ignored(variant)[0]
+    return "plain" if base == variant else variant.replace(base, "plain", 1)
 
 
 # (name, variant, reference, "seconds" or "peak_mb", bound on variant / reference).
@@ -179,6 +224,9 @@ TARGETS = (
         "seconds",
         1.15,
     ),
+    # Ignored targets cost nothing: memory no more than with none (time: PAIRED_TARGETS).
+    ("toolkit_ignored50: memory <= toolkit", "toolkit_ignored50", "toolkit", "peak_mb", 1.0),
+    ("toolkit_ignored90: memory <= toolkit", "toolkit_ignored90", "toolkit", "peak_mb", 1.0),
     (
         "tp_toolkit: memory <= 1/4 of tp_loss_parallel",
         "tp_toolkit",
@@ -187,6 +235,43 @@ TARGETS = (
         1 / 4,
     ),
 )
+
+
+# (name, key of the paired result, bound): the time with a share of the targets ignored over
+# the same call's with none, step by step in one process (``paired_ignored``).
+PAIRED_TARGETS = (
+    ("toolkit_ignored50: time <= 0.55x toolkit, paired", "ignored50", 0.55),
+    ("toolkit_ignored90: time <= 0.15x toolkit, paired", "ignored90", 0.15),
+)
+
+
+def paired_ignored(
+    shape: tuple[int, int, int], blocks: int, variant: str = "toolkit"
+) -> dict[str, float]:
+    """In this process: ``variant`` with none, 50% and 90% of the targets ignored, alternated.
+
+    Each block times one step of each, in an order that rotates from block to block; the
+    result is the median over blocks of each share's time over the time with none ignored in
+    the same block, so that a load that changes between blocks slows all three alike, and the
+    median time with none. The first block, not counted, warms up (and compiles).
+    """
+    shares = {"none": 0.0, "ignored50": 0.5, "ignored90": 0.9}
+    runs = {name: _inputs(*shape, ignored=share) for name, share in shares.items()}
+    ratios: dict[str, list[float]] = {"ignored50": [], "ignored90": [], "none_seconds": []}
+    names = list(shares)
+    for block in range(blocks + 1):  # the first block warms up
+        seconds = {}
+        for name in names[block % 3 :] + names[: block % 3]:
+            embedding, head, h, t = runs[name]
+            embedding.weight.grad = h.grad = None
+            start = time.perf_counter()
+            _step(variant, head, h, t)
+            seconds[name] = time.perf_counter() - start
+        if block:
+            ratios["ignored50"].append(seconds["ignored50"] / seconds["none"])
+            ratios["ignored90"].append(seconds["ignored90"] / seconds["none"])
+            ratios["none_seconds"].append(seconds["none"])
+    return {name: statistics.median(values) for name, values in ratios.items()}
 
 
 def _targets(table: dict[str, dict[str, Any]]) -> dict[str, bool]:
@@ -251,6 +336,12 @@ def run(
         targets = _targets(table)
         key = "x".join(map(str, shape))
         results[key] = {"variants": table, "targets": targets, "rounds": rounds, "steps": steps}
+        if "toolkit_ignored50" in variants:
+            paired = _in_subprocess("paired_ignored", shape, 3 if quick else 7)
+            results[key]["paired_ignored"] = paired
+            for name, ratio, bound in PAIRED_TARGETS:
+                targets[name] = paired[ratio] <= bound
+            print(f"  paired, toolkit's time over none ignored: {paired}", file=sys.stderr)
         _print_shape(key, table, targets, rounds)
     return results
 
@@ -295,7 +386,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         variant, shape = args.child
         tokens, hidden, vocab = (int(n) for n in shape.split(","))
-        print(json.dumps(measure(variant, (tokens, hidden, vocab), args.steps)))
+        if variant.startswith("paired_ignored"):  # --steps is the number of blocks
+            measured = "toolkit" + variant.removeprefix("paired_ignored")  # _compiled, say
+            print(json.dumps(paired_ignored((tokens, hidden, vocab), args.steps, measured)))
+        else:
+            print(json.dumps(measure(variant, (tokens, hidden, vocab), args.steps)))
         return
     shapes = tuple(tuple(int(n) for n in s.split(",")) for s in args.shape or ())
     variants = tuple(args.variants.split(",")) if args.variants else None

@@ -17,9 +17,9 @@ resident set over the baseline of the allocated inputs), starting every step tog
 a barrier; the run reports the slowest rank's median step and the largest rank's peak.
 ``cross_entropy.py`` runs these variants beside its one-process ones.
 
-Each rank also counts, with ``CommDebugMode``, the collectives of one more step, untimed; and,
-for ``tp_toolkit``, those of the check that the ranks' targets and options agree, with the
-values they carry, and the check's median time in the timed steps. Run alone (not under
+Each rank also counts, with ``CommDebugMode``, the collectives of one more step, untimed, and
+of another under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (set with ``dist.set_debug_level``), where
+``tp_toolkit`` compares the ranks' calls in all-reduces of their own. Run alone (not under
 ``torchrun``) the script prints one variant's result::
 
     python benchmarks/cross_entropy_parallel.py tp_toolkit 4096,512,32000 --steps 3
@@ -28,7 +28,6 @@ values they carry, and the check's median time in the timed steps. Run alone (no
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -37,9 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -51,7 +48,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import RowwiseParallel, loss_parallel, parallelize_module
 
-from toolkit.nn import TiedLinear, TiedLinearParallel, _cross_entropy
+from toolkit.nn import TiedLinear, TiedLinearParallel
 
 VARIANTS = ("tp_loss_parallel", "tp_toolkit")
 WORLD_SIZE = 2
@@ -100,40 +97,6 @@ def _step(variant: str, head: TiedLinear, h: torch.Tensor, t: torch.Tensor) -> N
         raise ValueError(f"unknown variant {variant!r}")
 
 
-class _Check:
-    """The sharded loss's check of the ranks' targets and options: its all-reduces and time."""
-
-    def __init__(self) -> None:
-        self.all_reduces = self.values = 0
-        self.seconds: list[float] = []
-        self._in_check = False
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        """Count the check's all-reduces, and time it."""
-        all_reduce, check = dist.all_reduce, _cross_entropy._check_same_call
-
-        def counted_all_reduce(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
-            if self._in_check:
-                self.all_reduces += 1
-                self.values += tensor.numel()
-            return all_reduce(tensor, *args, **kwargs)  # type: ignore[arg-type]
-
-        def timed_check(*args: object, **kwargs: object) -> None:
-            self._in_check, start = True, time.perf_counter()
-            try:
-                check(*args, **kwargs)  # type: ignore[arg-type]
-            finally:
-                self.seconds.append(time.perf_counter() - start)
-                self._in_check = False
-
-        with (
-            mock.patch.object(dist, "all_reduce", counted_all_reduce),
-            mock.patch.object(_cross_entropy, "_check_same_call", timed_check),
-        ):
-            yield
-
-
 def measure_rank(variant: str, shape: tuple[int, int, int], steps: int) -> dict[str, float]:
     """On this rank: warm up, time ``steps`` steps, take the peak; gather over the ranks."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -146,31 +109,29 @@ def measure_rank(variant: str, shape: tuple[int, int, int], steps: int) -> dict[
     dist.barrier()
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
     baseline = rss_bytes("VmRSS")
-    times, timed = [], _Check()
+    times = []
     for _ in range(steps):
         embedding.weight.grad = None
         h.grad = None
         dist.barrier()
-        with timed.counting():  # one wrapper call a step: the check's time
-            start = time.perf_counter()
-            _step(variant, head, h, t)
-            times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        _step(variant, head, h, t)
+        times.append(time.perf_counter() - start)
     mine = (statistics.median(times), (rss_bytes("VmHWM") - baseline) / MB)
     ranks: list[tuple[float, float]] = [(0.0, 0.0)] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
-    counted = _Check()  # one more step, untimed: CommDebugMode slows every operation
-    with counted.counting(), CommDebugMode() as comm:
-        _step(variant, head, h, t)
-    check = statistics.median(timed.seconds) if timed.seconds else 0.0
-    checks: list[float] = [0.0] * dist.get_world_size()
-    dist.all_gather_object(checks, check)
+    collectives = {}
+    for level in (dist.DebugLevel.OFF, dist.DebugLevel.DETAIL):  # untimed: CommDebugMode is slow
+        dist.set_debug_level(level)
+        with CommDebugMode() as comm:
+            _step(variant, head, h, t)
+        collectives[level] = comm.get_total_counts()
+    dist.set_debug_level(dist.DebugLevel.OFF)
     return {
         "seconds": max(seconds for seconds, _ in ranks),
         "peak_mb": max(peak for _, peak in ranks),
-        "collectives": comm.get_total_counts(),
-        "check_collectives": counted.all_reduces,
-        "check_values": counted.values,
-        "check_seconds": max(checks),
+        "collectives": collectives[dist.DebugLevel.OFF],
+        "collectives_detail": collectives[dist.DebugLevel.DETAIL],
     }
 
 

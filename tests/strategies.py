@@ -20,7 +20,7 @@ import torch
 from hypothesis import event
 from hypothesis import strategies as st
 
-__all__ = ["DEVICES", "LinearCase", "linear_cases", "make_tensor", "seeds"]
+__all__ = ["DEVICES", "LinearCase", "ignored_targets", "linear_cases", "make_tensor", "seeds"]
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 COMPLEX_DTYPES = (torch.complex64, torch.complex128)
@@ -145,3 +145,19 @@ def make_tensor(
     base = torch.complex128 if case.dtype.is_complex else torch.float64
     values = torch.randn(shape, dtype=base, generator=generator)
     return values.to(case.device, case.dtype).requires_grad_(requires_grad)
+
+
+@st.composite
+def ignored_targets(draw: st.DrawFn, tokens: int) -> list[bool]:
+    """Which of ``tokens`` targets a loss ignores: none, all, or some, each drawn.
+
+    Records the share as a Hypothesis event (``ignored: none``, ``some`` or ``all``, read from
+    the mask: a drawn "some" may come out as none or all).
+    """
+    share = draw(st.sampled_from(["none", "some", "all"]))
+    if share == "some":
+        mask = draw(st.lists(st.booleans(), min_size=tokens, max_size=tokens))
+    else:
+        mask = [share == "all"] * tokens
+    event(f"ignored: {'all' if all(mask) and mask else 'some' if any(mask) else 'none'}")
+    return mask

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.autograd import forward_ad
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.strategies import LinearCase, linear_cases, make_tensor
+from tests.strategies import LinearCase, ignored_targets, linear_cases, make_tensor
 from toolkit.nn import TiedLinear
 from toolkit.nn._cross_entropy import default_chunk_size, linear_cross_entropy
 
@@ -109,9 +109,7 @@ def ce_cases(draw: st.DrawFn) -> dict[str, Any]:
     ignore_index = draw(st.sampled_from([-100, -1, 0, vocab - 1]))
     generator = torch.Generator().manual_seed(case.seed)
     target = torch.randint(0, vocab, case.lead, generator=generator)
-    tokens = math.prod(case.lead)
-    every_or_none = st.sampled_from([[True] * tokens, [False] * tokens])
-    ignored = draw(every_or_none | st.lists(st.booleans(), min_size=tokens, max_size=tokens))
+    ignored = draw(ignored_targets(math.prod(case.lead)))
     target.view(-1)[torch.tensor(ignored, dtype=torch.bool)] = ignore_index
     reduction = draw(st.sampled_from(["mean", "sum", "none"]))
     if reduction == "none":  # a different incoming gradient per token, zeros among them
@@ -627,9 +625,11 @@ def _small() -> tuple[TiedLinear, Tensor, Tensor]:
 def test_a_chunk_holds_one_logits_sized_tensor_and_only_the_gradients_needed(
     options: dict[str, Any], peak: int, needs: str
 ) -> None:
-    """12 tokens in chunks of 4, vocabulary 50: only the logits and their like have 4 * 50
-    elements. A mean or a sum computes the gradients needed in forward, each into one buffer
-    (x's (12, 2), the weight's (50, 2)), and backward scales them; none needed, no slope."""
+    """12 tokens, 8 counted, in chunks of 4, vocabulary 50: only the logits and their like have
+    4 * 50 elements. A mean or a sum computes the gradients needed in forward, each into one
+    buffer (x's of the counted tokens, spread into (12, 2) at the end, the weight's (50, 2)),
+    and backward scales them; none needed, no slope. The counted tokens' hidden states are
+    gathered a chunk at a time, (4, 2) twice."""
     x, weight, target = _inputs(12, 50, 2, F32)
     x.requires_grad_(needs in ("both", "x", "no-grad-mode"))
     weight.requires_grad_(needs in ("both", "weight", "no-grad-mode"))
@@ -638,7 +638,7 @@ def test_a_chunk_holds_one_logits_sized_tensor_and_only_the_gradients_needed(
         loss = linear_cross_entropy(x, weight, target, chunk_size=4, **options)
     saved = wanted if "reduction" not in options else set()
     assert ((12, 2) in mode.shapes, (50, 2) in mode.shapes) == ("x" in saved, "weight" in saved)
-    assert (4, 2) not in mode.shapes
+    assert mode.shapes.count((4, 2)) == 2  # and no chunk of x's gradient
     assert mode.peak == (peak if saved else 1)
     assert (loss.grad_fn is None) == (not wanted)
     if wanted:
@@ -647,6 +647,55 @@ def test_a_chunk_holds_one_logits_sized_tensor_and_only_the_gradients_needed(
         assert mode.peak == (0 if saved else peak)
         if saved:  # the gradients are scaled in place: no zero-filled stand-ins for them
             assert not {(12, 2), (50, 2)} & set(mode.shapes)
+
+
+class _Products(TorchDispatchMode):
+    """The shapes of the matrix products whose result has ``columns`` columns (the logits)."""
+
+    def __init__(self, columns: int) -> None:
+        super().__init__()
+        self.columns = columns
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if (
+            func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out)
+            and out.shape[-1] == self.columns
+        ):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+@pytest.mark.parametrize(
+    ("ignored", "products"),
+    [(0, [4, 4, 4]), (4, [4, 4]), (9, [3]), (12, [])],
+    ids=["none", "4-of-12", "9-of-12", "all"],
+)
+@pytest.mark.parametrize("backward", ["no-grad", "mean", "none", "none-create-graph"])
+def test_the_logits_are_computed_for_the_counted_tokens_only(
+    ignored: int, products: list[int], backward: str
+) -> None:
+    """12 tokens in chunks of 4, vocabulary 50: the logits of the counted tokens only, in
+    forward and where backward recomputes them: with 9 ignored, one product of 3 rows; with
+    every token ignored, none. A backward that builds a graph computes every token's
+    (torch.func.vmap could not batch the selection), as torch.compile does."""
+    x, weight, _ = _inputs(12, 50, 2, F32)
+    target = torch.arange(12) * 4
+    target[torch.randperm(12, generator=torch.Generator().manual_seed(0))[:ignored]] = -100
+    x.requires_grad_(backward != "no-grad")
+    reduction = "mean" if backward == "mean" else "none"
+    with _Products(50) as forward, torch.set_grad_enabled(backward != "no-grad"):
+        loss = linear_cross_entropy(x, weight, target, chunk_size=4, reduction=reduction)
+    assert forward.shapes == [(rows, 50) for rows in products]
+    if backward.startswith("none"):
+        create_graph = backward.endswith("create-graph")
+        with _Products(50) as recomputed:
+            torch.autograd.grad(loss.sum(), x, create_graph=create_graph)
+        rows = [4, 4, 4] if create_graph else products
+        assert recomputed.shapes == [(r, 50) for r in rows]
 
 
 class _Dtypes(TorchDispatchMode):

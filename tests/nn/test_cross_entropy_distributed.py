@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import RowwiseParallel, loss_parallel, parallelize_module
 
 from tests.nn.ranks import process_group, run_processes
 from tests.nn.sharded_loss_cases import DIFFERENCES, NAMES, call_with_one_difference
-from toolkit.nn import TiedLinear
+from toolkit.nn import TiedLinear, TiedLinearParallel
 
 # 33,555 rows on 2 ranks: 16,778 and 16,777, whose own default chunks (64 MiB of float32
 # logits) would be 999 and 1,000 tokens; 1,001 tokens take two chunks.
@@ -45,7 +46,8 @@ def _reference(weight: Tensor, x: Tensor, target: Tensor) -> list[Tensor]:
 
 def losses_in_a_rank() -> dict[str, Any]:
     """In each rank: the loss and gradients on each case's vocabulary shard (default chunk),
-    the error for rank-local tokens, and for each option that differs between the ranks."""
+    the error for rank-local tokens and for each option that differs between the ranks, and
+    the collectives of one chunk."""
     results: dict[str, Any] = {}
     with process_group():
         mesh = init_device_mesh("cpu", (2,))
@@ -69,19 +71,49 @@ def losses_in_a_rank() -> dict[str, Any]:
                         call_with_one_difference(head, x, target, case)
                     except ValueError as error:
                         results[case] = str(error)
+                results["collectives"] = _collectives(head, x, target, mesh)
     return results
+
+
+def _collectives(head: TiedLinear, x: Tensor, target: Tensor, mesh: Any) -> dict[str, int]:
+    """The collectives of one chunk's forward and backward, by default and under DETAIL, and
+    of torch's alternative: TiedLinearParallel's sharded logits under loss_parallel()."""
+    counts = {}
+    for level in ("OFF", "DETAIL"):
+        torch.distributed.set_debug_level(getattr(torch.distributed.DebugLevel, level))
+        for reduction in ("mean", "none"):
+            leaf = x.clone().requires_grad_()
+            with CommDebugMode() as comm:
+                loss = head.cross_entropy(leaf, target, reduction=reduction)
+                loss.backward(torch.ones_like(loss))
+            counts[f"{reduction} {level}"] = comm.get_total_counts()
+    torch.distributed.set_debug_level(torch.distributed.DebugLevel.OFF)
+    parallelize_module(head.linear, mesh, TiedLinearParallel())
+    with CommDebugMode() as comm, loss_parallel():
+        F.cross_entropy(head(x.clone().requires_grad_()), target).backward()
+    counts["loss_parallel"] = comm.get_total_counts()
+    return counts
 
 
 def test_uneven_vocabulary_shards_give_one_process_results_distributed() -> None:
     """Uneven vocabularies (17 as 9 + 8 rows, 33,555 as 16,778 + 16,777) with the default
     chunk: every rank takes the same chunks, so the all-reduces match; rank-local tokens, and
-    each option that differs between the ranks (some would hang), are refused on every rank."""
+    each option that differs between the ranks (some would hang), are refused on every rank.
+    One chunk's forward and backward makes 3 collectives (5 under DETAIL), counted with
+    CommDebugMode beside loss_parallel()'s."""
     ranks = run_processes(2, losses_in_a_rank, timeout=240.0)
     for name in CASES:
         expected = _reference(*_case(name))
         for result in ranks:
             torch.testing.assert_close(result[name], expected, rtol=1e-4, atol=1e-5)
     for result in ranks:
+        assert result["collectives"] == {
+            "mean OFF": 3,  # the first chunk's maxima carry the ranks' calls; its sums; x's grad
+            "none OFF": 5,  # the chunk's two in forward, again in backward; x's gradient
+            "mean DETAIL": 5,  # and the call, then the targets, each in an all-reduce of its own
+            "none DETAIL": 7,
+            "loss_parallel": 4,
+        }
         assert "same tokens and targets on every rank" in result["local"]
         for case, named in DIFFERENCES.items():
             assert [name for name in NAMES if f"{name} (" in result.get(case, "")] == list(named)

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
@@ -22,6 +24,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_modul
 from tests.nn.models import TiedLM
 from tests.nn.ranks import run_threads
 from tests.nn.sharded_loss_cases import DIFFERENCES, NAMES, call_with_one_difference
+from tests.strategies import ignored_targets
 from toolkit.nn import TiedLinear
 
 DIM = 8
@@ -61,6 +64,15 @@ def _reference(*case: Tensor, **options: Any) -> list[Tensor]:
         loss = loss + (extra.sum() / counted.sum() if reduction == "mean" else extra.sum())
     loss.backward(upstream if loss.dim() else None)
     return [loss.detach(), x.grad, weight.grad]  # type: ignore[list-item]
+
+
+def _debug_level(monkeypatch: pytest.MonkeyPatch, detail: bool) -> None:
+    """Make the loss read ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (or OFF), as torch reads it."""
+    level = torch.distributed.DebugLevel.DETAIL if detail else torch.distributed.DebugLevel.OFF
+    monkeypatch.setattr(torch.distributed, "get_debug_level", lambda: level)
+
+
+DETAIL = pytest.mark.parametrize("detail", [False, True], ids=["default", "detail"])
 
 
 def _sharded_embedding(weight: Tensor, mesh: Any) -> nn.Embedding:
@@ -124,6 +136,34 @@ def test_the_loss_and_gradients_on_a_vocabulary_shard_are_those_of_one_process(
         torch.testing.assert_close(result, [expected[0], part, expected[2]], **tolerance)
         assert sequence_parallel or not collectives
     assert reduced
+
+
+@settings(deadline=None, max_examples=25)
+@given(
+    ignored=ignored_targets(10),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    extra=st.sampled_from([{}, {"label_smoothing": 0.1, "z_loss": 0.01, "softcap": 2.0}]),
+    chunk_size=st.sampled_from([None, 1, 3]),
+)
+def test_a_vocabulary_shard_gives_one_process_results_whatever_share_is_ignored(
+    ignored: list[bool], reduction: str, extra: dict[str, Any], chunk_size: int | None
+) -> None:
+    """Every rank leaves out the same ignored tokens: none, some or all of them."""
+    weight, x, target, upstream = _case(17, 2)
+    target = target.flatten().clone()
+    target[torch.tensor(ignored)] = -100
+    target = target.reshape(2, 5)
+    options = {"reduction": reduction, "chunk_size": chunk_size, **extra}
+    expected = _reference(weight, x, target, upstream, **options)
+
+    def rank_main(rank: int) -> list[Tensor]:
+        emb, leaf = _sharded_embedding(weight, init_device_mesh("cpu", (2,))), x.clone()
+        loss = TiedLinear(emb).cross_entropy(leaf.requires_grad_(), target, **options)
+        loss.backward(upstream if loss.dim() else None)
+        return [loss.detach(), leaf.grad, emb.weight.grad.full_tensor()]  # type: ignore[list-item,union-attr]
+
+    for result in run_threads(2, rank_main):
+        torch.testing.assert_close(result, expected, equal_nan=True)
 
 
 @pytest.mark.parametrize("mistake", ["target-outside-the-vocabulary", "create-graph"])
@@ -284,11 +324,15 @@ def test_the_default_chunk_is_the_same_on_ranks_with_uneven_rows() -> None:
         torch.testing.assert_close(loss, expected)
 
 
-def test_rank_local_tokens_on_a_vocabulary_shard_are_refused_on_every_rank() -> None:
+@DETAIL
+def test_rank_local_tokens_on_a_vocabulary_shard_are_refused_on_every_rank(
+    detail: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Under sequence parallelism each rank's slice of the hidden states with its slice of the
     targets would mix different tokens' statistics: refused on every rank, naming the fix,
-    before any gradient is computed, whether the chunk differs too or not. Ranks with the same
-    tokens are taken."""
+    before any gradient is computed, whether the chunk differs too or not, by default (in the
+    first all-reduce) and under DETAIL (before it). Ranks with the same tokens are taken."""
+    _debug_level(monkeypatch, detail)
     weight, x, target, _ = _case(17, 2)
 
     def rank_main(rank: int) -> tuple[list[str], Any]:
@@ -322,12 +366,39 @@ def test_rank_local_tokens_on_a_vocabulary_shard_are_refused_on_every_rank() -> 
         )
 
 
+@DETAIL
+@pytest.mark.parametrize("position", [0, 9])
+def test_targets_that_differ_in_one_position_are_refused_on_every_rank(
+    position: int, detail: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same number of tokens and of counted tokens, one target different on rank 1: the
+    checksum of the first all-reduce tells them apart (under DETAIL, the exact comparison)."""
+    _debug_level(monkeypatch, detail)
+    weight, x, target, _ = _case(17, 2)
+
+    def rank_main(rank: int) -> tuple[str, Tensor | None]:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        mine = target.clone()
+        mine.view(-1)[position] = (mine.view(-1)[position] + rank) % 17
+        with pytest.raises(ValueError, match="every rank") as info:
+            head.cross_entropy(x.clone().requires_grad_(), mine)
+        return str(info.value), head.tied_module.weight.grad
+
+    for message, grad in run_threads(2, rank_main):
+        assert "same tokens and targets on every rank" in message
+        assert grad is None
+
+
+@DETAIL
 @pytest.mark.parametrize("case", DIFFERENCES)
-def test_an_option_that_differs_on_a_vocabulary_shard_is_refused_on_every_rank(case: str) -> None:
+def test_an_option_that_differs_on_a_vocabulary_shard_is_refused_on_every_rank(
+    case: str, detail: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ranks that differ in an option would hang (another chunk, or a gradient of x reduced on
     one rank only) or silently mix their statistics (another softcap, dtype, label_smoothing,
     z_loss or reduction): refused with a ValueError on every rank, before any gradient, naming
     what differs and nothing else; the targets differ too, and the options are said."""
+    _debug_level(monkeypatch, detail)
     weight, x, target, _ = _case(17, 2)
 
     def rank_main(rank: int) -> tuple[type[BaseException], str, Tensor | None]:
@@ -362,11 +433,15 @@ REFUSED: dict[str, tuple[type[Exception], Any]] = {
 }
 
 
+@DETAIL
 @pytest.mark.parametrize("on_both", [False, True], ids=["one-rank", "both-ranks"])
 @pytest.mark.parametrize("case", REFUSED)
-def test_an_argument_refused_on_one_rank_is_refused_on_every_rank(case: str, on_both: bool) -> None:
+def test_an_argument_refused_on_one_rank_is_refused_on_every_rank(
+    case: str, on_both: bool, detail: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The rank whose argument is invalid raises its own error; the others, which would wait
-    for it in the check's all-reduce, raise a ValueError instead of hanging."""
+    for it in the all-reduce that compares the calls, raise a ValueError instead of hanging."""
+    _debug_level(monkeypatch, detail)
     weight, x, target, _ = _case(17, 2)
     error, change = REFUSED[case]
 

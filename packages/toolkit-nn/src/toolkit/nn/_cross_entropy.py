@@ -20,11 +20,17 @@ recomputes the chunks with it. So does a backward that builds a graph (``create_
 ``torch.func.grad``): it recomputes them with differentiable operations, which gives the
 second-order gradients of the plain path. When no gradient is needed, only the loss is
 computed.
+
+Only the counted tokens are computed: those whose target is ``ignore_index`` are left out
+before the first product, and get a loss of 0 and a gradient of 0. Under ``torch.compile``,
+where the number of counted tokens would be a dynamic shape, and in a backward that builds a
+graph, every token is computed and the ignored ones are masked.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import struct
 import zlib
@@ -45,7 +51,13 @@ __all__ = ["VocabShard", "linear_cross_entropy"]
 _CHUNK_BYTES = 64 * 2**20
 _MIN_CHUNK = 16
 _REDUCTIONS = ("mean", "sum", "none")
-# What the ranks of a vocabulary shard compare before the first chunk (_check_same_call).
+# The ranks of a vocabulary shard compare their calls in the first all-reduce each makes, of
+# the first chunk's row maxima: it holds this many rows (the first chunk has at most as many,
+# padded), so that it has one size on every rank whatever its tokens and chunks.
+_FIRST_ROWS = 1024
+# What they compare: the tokens, as their number, the number counted and a checksum of the
+# targets, then the options, named as the error names them.
+_TOKENS = ("tokens", "counted", "targets")
 _CHECKED = (
     "chunk_size",
     "ignore_index",
@@ -88,6 +100,9 @@ class _Options(NamedTuple):
     chunk_size: int
     mm_dtype: torch.dtype
     shard: VocabShard | None = None
+    # Whether forward compares the shard's ranks' calls in its first all-reduce (not under
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL, which compares them before, nor under torch.compile).
+    check: bool = False
 
 
 class VocabShard(NamedTuple):
@@ -125,10 +140,14 @@ class _Statistics(NamedTuple):
     here: torch.Tensor
 
 
-def _statistics(z: torch.Tensor, index: torch.Tensor, o: _Options, inplace: bool) -> _Statistics:
+def _statistics(
+    z: torch.Tensor, index: torch.Tensor, o: _Options, inplace: bool, check: _SameCall | None
+) -> _Statistics:
     """The per-row statistics of the (soft-capped) logits ``z``, over the whole vocabulary.
 
-    In place, the softmax replaces ``z``: what else is needed of ``z`` is taken first.
+    In place, the softmax replaces ``z``: what else is needed of ``z`` is taken first. With
+    ``check``, the ranks' calls are compared in the first all-reduce, which raises on every
+    rank if they differ.
     """
     if o.shard is None:
         top = z.argmax(1, keepdim=True)
@@ -148,9 +167,15 @@ def _statistics(z: torch.Tensor, index: torch.Tensor, o: _Options, inplace: bool
     # This rank has columns [offset, offset + rows) of the logits: only per-row statistics
     # cross the group, a max, then the sum of exponentials, the target logit and the sum.
     # Only in place: a sharded weight refuses a backward that differentiates this again.
-    rows = z.shape[1]
-    peak = z.amax(1) if rows else z.new_full((z.shape[0],), -math.inf)
-    peak = _all_reduce(peak, o.shard, torch.distributed.ReduceOp.MAX).unsqueeze(1)
+    tokens, rows = z.shape
+    peak = z.amax(1) if rows else z.new_full((tokens,), -math.inf)
+    if check is not None:  # the call's entries, then the maxima padded to one size
+        peak = torch.cat([check.entries, peak, peak.new_full((_FIRST_ROWS - tokens,), -math.inf)])
+    peak = _all_reduce(peak, o.shard, torch.distributed.ReduceOp.MAX)
+    if check is not None:
+        _raise_unless_same(check, peak[: len(check.entries)])
+        peak = peak[len(check.entries) :][:tokens]
+    peak = peak.unsqueeze(1)
     local = index - o.shard.offset
     here = (local >= 0) & (local < rows)
     column = torch.where(here, local, 0)
@@ -269,13 +294,15 @@ def _row_losses(
     *,
     want_grad: bool,
     inplace: bool,
+    check: _SameCall | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's loss, and the gradient of the rows' sum with respect to the logits ``z``.
 
     ``z`` is ``(rows, V)`` in the accumulation dtype, ``index`` ``(rows, 1)`` the target
     (0 where ignored) and ``keep`` ``(rows,)`` the counted rows; ignored rows give 0 and a
     zero gradient. In place, ``z`` becomes the gradient; otherwise ``z`` and what backward
-    saves are left unchanged, so that autograd can differentiate it again.
+    saves are left unchanged, so that autograd can differentiate it again. ``check``: see
+    ``_statistics``.
     """
     vocab = z.shape[1] if o.shard is None else o.shard.vocab
     eps, cap = o.label_smoothing, o.softcap
@@ -286,7 +313,7 @@ def _row_losses(
         # d/dz cap * tanh(z / cap) = 1 - (z_capped / cap)^2, taken before the softmax
         # replaces z: one more chunk-sized tensor, with a soft-cap only.
         slope = (z / cap).square_().neg_().add_(1.0)
-    stats = _statistics(z, index, o, inplace)
+    stats = _statistics(z, index, o, inplace, check)
     lse, p = stats.lse, stats.probs
     # lse - (1 - eps) * z_target - eps * mean(z): F.cross_entropy's label smoothing.
     row = lse - (1.0 - eps) * stats.target_logit
@@ -316,12 +343,19 @@ def _row_losses(
 class _Gradients:
     """The gradients of x (by chunk) and of the weight, summed over the chunks.
 
-    In place, into one ``(N, D)`` buffer and one ``(V, D)`` buffer; under grad mode, out of
-    place, so that autograd can differentiate them.
+    In place, into one ``(tokens, D)`` buffer and one ``(V, D)`` buffer; under grad mode, out
+    of place, so that autograd can differentiate them.
     """
 
     def __init__(
-        self, x: torch.Tensor, w_mm: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool
+        self,
+        x: torch.Tensor,
+        w_mm: torch.Tensor,
+        o: _Options,
+        *,
+        tokens: int,
+        want_x: bool,
+        want_w: bool,
     ) -> None:
         self.inplace = not torch.is_grad_enabled()
         self.mm, self.acc = o.mm_dtype, _accumulation_dtype(o.mm_dtype)
@@ -332,7 +366,7 @@ class _Gradients:
         self.w_x = w_mm.to(x_dtype)
         self.want_x = want_x
         self.x_buffer = (
-            torch.empty(x.shape, dtype=x_dtype, device=x.device)
+            torch.empty((tokens, x.shape[1]), dtype=x_dtype, device=x.device)
             if want_x and self.inplace
             else None
         )
@@ -377,7 +411,7 @@ def _chunk_logits(
     return z
 
 
-def _chunks(
+def _counted_chunks(
     x: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
@@ -386,30 +420,68 @@ def _chunks(
     row_weight: torch.Tensor | None,
     want_x: bool,
     want_w: bool,
+    check: _SameCall | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``_chunks`` of the counted tokens only: the ignored ones get a loss and gradient of 0.
+
+    Every rank of a shard has the same targets, so takes the same tokens. Under
+    ``torch.compile`` their number would be a dynamic shape, which breaks the graph, and
+    under grad mode (a backward that builds a graph) ``torch.func.vmap`` could not batch it:
+    there every token is taken, and ``_row_losses`` masks the ignored ones.
+    """
+    rows = None
+    if not (torch.compiler.is_compiling() or torch.is_grad_enabled()):
+        rows = (target != o.ignore_index).nonzero().squeeze(1)
+    if rows is None or len(rows) == len(target):
+        return _chunks(x, weight, target, o, row_weight, want_x, want_w, check, None)
+    row_weight = None if row_weight is None else row_weight[rows]
+    loss, grad_x, grad_w = _chunks(
+        x, weight, target[rows], o, row_weight, want_x, want_w, check, rows
+    )
+    loss = loss.new_zeros(target.shape).index_copy_(0, rows, loss)
+    if grad_x is not None:
+        grad_x = grad_x.new_zeros(x.shape).index_copy_(0, rows, grad_x)
+    return loss, grad_x, grad_w
+
+
+def _chunks(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    o: _Options,
+    row_weight: torch.Tensor | None,
+    want_x: bool,
+    want_w: bool,
+    check: _SameCall | None,
+    rows: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Each token's loss, and the gradients of ``sum(row_weight * loss)`` for x and weight.
 
-    ``x`` is ``(N, D)``, ``target`` ``(N,)``; ``row_weight`` ``(N,)`` is the incoming gradient
-    of each token's loss, or None for one per token. The gradient of ``x`` has the products'
-    dtype (float32 for float16; or x's, if wider, out of place), the weight's the
-    accumulation dtype. Under grad
-    mode every operation is out of place and differentiable, but for updates of fresh
-    results; otherwise the chunk's buffers are reused in place.
+    ``x`` is ``(N, D)``; the tokens are its ``rows`` (all of them for None), ``target`` and
+    ``row_weight`` theirs. ``row_weight`` is the incoming gradient of each token's loss, or
+    None for one per token. The gradient of the tokens of ``x`` has the products' dtype
+    (float32 for float16; or x's, if wider, out of place), the weight's the accumulation
+    dtype. Under grad mode every operation is out of place and differentiable, but for updates
+    of fresh results; otherwise the chunk's buffers are reused in place. With ``check``, the
+    first chunk has at most ``_FIRST_ROWS`` tokens, and is taken even with no token, so that
+    the ranks' calls are compared in its all-reduce.
     """
-    num_tokens, vocab = x.shape[0], weight.shape[0]
+    num_tokens, vocab = len(target), weight.shape[0]
     acc = _accumulation_dtype(o.mm_dtype)
     w_mm = weight.to(o.mm_dtype)
     keep = target != o.ignore_index
     index = torch.where(keep, target, 0).unsqueeze(1)
-    grads = _Gradients(x, w_mm, o, want_x=want_x, want_w=want_w)
+    grads = _Gradients(x, w_mm, o, tokens=num_tokens, want_x=want_x, want_w=want_w)
     buffer = None
     if grads.inplace:  # one chunk's logits, reused: their softmax and gradient replace them
         shape = (min(o.chunk_size, num_tokens), vocab)
         buffer = torch.empty(shape, dtype=acc, device=x.device)
+    starts = list(range(0, num_tokens, o.chunk_size))
+    if check is not None:
+        starts = [0, *range(min(o.chunk_size, _FIRST_ROWS), num_tokens, o.chunk_size)]
     losses = []
-    for start in range(0, num_tokens, o.chunk_size):
-        stop = min(start + o.chunk_size, num_tokens)
-        x_c = x[start:stop].to(o.mm_dtype)
+    for start, stop in itertools.pairwise([*starts, num_tokens]):
+        x_c = (x[start:stop] if rows is None else x[rows[start:stop]]).to(o.mm_dtype)
         z = _chunk_logits(x_c, w_mm, acc, buffer)
         row, grad = _row_losses(
             z,
@@ -418,6 +490,7 @@ def _chunks(
             o,
             want_grad=want_x or want_w,
             inplace=grads.inplace,
+            check=check if start == 0 else None,
         )
         losses.append(row)
         if grad is None:
@@ -485,13 +558,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_x: bool,
         want_w: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Checked here, where under torch.func.vmap each entry's targets are a plain tensor.
-        _check_targets(
-            target, weight.shape[0] if o.shard is None else o.shard.vocab, o.ignore_index
-        )
         flat_target = target.reshape(-1)
+        vocab = weight.shape[0] if o.shard is None else o.shard.vocab
+        check = _same_call(flat_target, o, want_x=want_x, want_w=want_w) if o.check else None
+        # Checked here, where under torch.func.vmap each entry's targets are a plain tensor;
+        # on a shard, once the ranks have compared them: a rank that raised alone would leave
+        # the others waiting for it.
+        if check is None:
+            _check_targets(target, vocab, o.ignore_index)
         save = o.reduction != "none"
-        rows, grad_x, grad_w = _chunks(
+        rows, grad_x, grad_w = _counted_chunks(
             x.reshape(flat_target.numel(), x.shape[-1]),
             weight,
             flat_target,
@@ -499,7 +575,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             row_weight=None,
             want_x=want_x and save,
             want_w=want_w and save,
+            check=check,
         )
+        if check is not None:
+            _check_targets(target, vocab, o.ignore_index)
         # Outputs must be tensors, and distinct ones: a 0-d one stands for a gradient not
         # computed, which backward never reads.
         return (
@@ -555,7 +634,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             row_weight = _loss_factor(grad_loss, keep, o).expand(keep.shape)
         with torch.autocast(x.device.type, enabled=False):
-            _, grad_x, grad_w = _chunks(
+            _, grad_x, grad_w = _counted_chunks(
                 x.reshape(flat_target.numel(), x.shape[-1]),
                 weight,
                 flat_target,
@@ -655,25 +734,35 @@ def _float_code(value: float) -> int:
     return int.from_bytes(struct.pack("<d", abs(value)), "little")
 
 
-def _check_same_call(target: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool) -> None:
-    """Raise, on every rank of the shard's group, unless all have the same targets and options.
+class _SameCall(NamedTuple):
+    """This rank's call, as the ranks of a shard compare it, in an all-reduce by maximum.
+
+    ``entries``: 0 (1 on a rank whose arguments were refused), then each value that ``shown``
+    names, as four 16-bit pieces of its int64 code, then the pieces negated. The maximum of
+    the pieces is the negated maximum of their negations only where every rank has the same,
+    exactly, in any floating dtype. ``shown`` gives each value's name and this rank's value.
+    """
+
+    entries: torch.Tensor
+    shown: tuple[tuple[str, object], ...]
+
+
+def _same_call(target: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool) -> _SameCall:
+    """This rank's call on the flattened ``target``: its tokens, then its options.
 
     The per-token statistics of the ranks are summed: a rank with other tokens (under sequence
     parallelism, its own slice) would mix them silently, and so would another softcap, dtype,
     label_smoothing or z_loss; another chunk, reduction or ``requires_grad`` would make
     all-reduces of other sizes or make one rank reduce x's gradient alone (a hang), and another
-    ``ignore_index`` or reduction would give another loss and weight gradient. First the number
-    of tokens and every option, in one all-reduce of fixed size, so that the second has one
-    size on every rank, then the targets. These are the only collectives the check makes; the
-    options cost no collective of their own. Not made under ``torch.compile``, where it would
-    break the graph.
+    ``ignore_index`` or reduction would give another loss and weight gradient. The targets are
+    compared by a checksum: the sum, modulo 2**64, of each target plus one (0 where ignored)
+    times an odd weight of its position, so that targets that differ in one position always
+    differ in it.
     """
-    shard = o.shard
-    if shard is None or torch.compiler.is_compiling():
-        return
-    flat = target.reshape(-1)
-    # (value shown, int64 code) for each option; the floats by their bits, exactly.
-    values = (
+    counted = target != o.ignore_index
+    weights = torch.arange(len(target), device=target.device).remainder_(2**20).mul_(2).add_(1)
+    checksum = (torch.where(counted, target, -1) + 1).mul_(weights).sum()
+    options = (
         (o.chunk_size, o.chunk_size),
         (o.ignore_index, o.ignore_index),
         (o.reduction, _REDUCTIONS.index(o.reduction)),
@@ -684,18 +773,33 @@ def _check_same_call(target: torch.Tensor, o: _Options, *, want_x: bool, want_w:
         (want_x, int(want_x)),
         (want_w, int(want_w)),
     )
-    options = [(name, *values[i]) for i, name in enumerate(_CHECKED)]
-    # First True: this rank's arguments passed its own checks (a refused rank sends False).
-    same = _agree(flat.new_tensor([True, flat.numel(), *(code for _, _, code in options)]), shard)
-    if not same[0]:
+    tokens = torch.stack([target.new_tensor(len(target)), counted.sum(), checksum])
+    codes = torch.cat([tokens, target.new_tensor([code for _, code in options])])
+    shifts = target.new_tensor([0, 16, 32, 48])
+    pieces = ((codes.unsqueeze(1) >> shifts) & 0xFFFF).flatten()
+    pieces = pieces.to(_accumulation_dtype(o.mm_dtype))
+    shown = (
+        *zip(_TOKENS, (len(target), None, None), strict=True),
+        *((name, value) for name, (value, _) in zip(_CHECKED, options, strict=True)),
+    )
+    return _SameCall(torch.cat([pieces.new_zeros(1), pieces, -pieces]), shown)
+
+
+def _raise_unless_same(call: _SameCall, reduced: torch.Tensor) -> None:
+    """Raise, on every rank, unless every rank made ``call``.
+
+    ``reduced`` is the maximum of the ranks' entries, the same on every rank.
+    """
+    if reduced[0]:
         raise _refused_elsewhere()
-    same = same[1:]
-    if same[0] and not same.all():  # a different count is said below, as different tokens
-        agreed = same[1:].tolist()
+    half = len(reduced) // 2
+    same = (reduced[1 : half + 1] == -reduced[half + 1 :]).view(-1, 4).all(1).tolist()
+    tokens, options = same[: len(_TOKENS)], same[len(_TOKENS) :]
+    if tokens[0] and not all(options):  # a different count is said below, as other tokens
         differ = " and ".join(
             f"{name} ({shown!r} here)"
-            for i, (name, shown, _) in enumerate(options)
-            if not agreed[i]
+            for (name, shown), agreed in zip(call.shown[len(_TOKENS) :], options, strict=True)
+            if not agreed
         )
         raise ValueError(
             f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same options, "
@@ -703,28 +807,56 @@ def _check_same_call(target: torch.Tensor, o: _Options, *, want_x: bool, want_w:
             f"ranks' {differ} differ: pass the same ones on every rank (requires_grad counts "
             f"under grad mode only)."
         )
-    if not (same[0] and _agree(flat, shard).all()):
-        raise ValueError(
-            f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same tokens "
-            f"and targets on every rank of the tensor-parallel group, but the ranks' "
-            f"targets differ (this rank has {flat.numel()} tokens): each rank's rows of "
-            "the vocabulary give a part of every token's statistics, which are summed "
-            "across ranks. Under sequence parallelism pass the hidden states as a DTensor "
-            "sharded on the sequence (Shard(1), as TiedLinearParallel's input) and the "
-            "whole targets on every rank."
-        )
+    if not all(tokens):
+        raise _other_tokens(call.shown[0][1])
+
+
+def _other_tokens(tokens: object) -> ValueError:
+    return ValueError(
+        f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same tokens "
+        f"and targets on every rank of the tensor-parallel group, but the ranks' "
+        f"targets differ (this rank has {tokens} tokens): each rank's rows of "
+        "the vocabulary give a part of every token's statistics, which are summed "
+        "across ranks. Under sequence parallelism pass the hidden states as a DTensor "
+        "sharded on the sequence (Shard(1), as TiedLinearParallel's input) and the "
+        "whole targets on every rank."
+    )
+
+
+def _detail() -> bool:
+    """Whether ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, torch's switch for checks that communicate."""
+    # torch.distributed re-exports both from c10d without listing them.
+    level = torch.distributed.get_debug_level()  # type: ignore[attr-defined]
+    return bool(level == torch.distributed.DebugLevel.DETAIL)  # type: ignore[attr-defined]
+
+
+def _check_same_call(
+    target: torch.Tensor, o: _Options, shard: VocabShard, *, want_x: bool, want_w: bool
+) -> None:
+    """Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: compare the ranks' calls before any chunk.
+
+    In two all-reduces of their own: the call (a fixed size, so that the second has one size
+    on every rank), then the targets, exactly, where forward compares them by a checksum.
+    """
+    call = _same_call(target.reshape(-1), o, want_x=want_x, want_w=want_w)
+    _raise_unless_same(call, _all_reduce(call.entries, shard, torch.distributed.ReduceOp.MAX))
+    if not _agree(target.reshape(-1), shard).all():
+        raise _other_tokens(target.numel())
 
 
 def _join_refused(weight: torch.Tensor, shard: VocabShard | None) -> None:
-    """Take part, refused, in the first all-reduce of ``_check_same_call`` of the others.
+    """Take part, refused, in the all-reduce in which the other ranks compare their calls.
 
     A rank whose arguments were refused raises its own error; the ranks whose arguments were
-    not wait for it in the check's first all-reduce, whose first entry (False here, True there)
-    tells them to raise too. Its size is that of every call's: the count of the options.
+    not wait for it in that all-reduce (the first chunk's, or under DETAIL the check's),
+    whose first entry (1 here, 0 there) tells them to raise too.
     """
     if shard is None or torch.compiler.is_compiling():
         return
-    _agree(weight.new_zeros(len(_CHECKED) + 2, dtype=torch.int64), shard)
+    size = 1 + 2 * 4 * (len(_TOKENS) + len(_CHECKED)) + (0 if _detail() else _FIRST_ROWS)
+    refused = torch.zeros(size, dtype=_accumulation_dtype(weight.dtype), device=weight.device)
+    refused[0] = 1.0
+    _all_reduce(refused, shard, torch.distributed.ReduceOp.MAX)
 
 
 def _refused_elsewhere() -> ValueError:
@@ -755,9 +887,10 @@ def linear_cross_entropy(
     must have the same targets and options (``ignore_index``, ``reduction``,
     ``label_smoothing``, ``z_loss``, ``softcap``, the chunk), the same products' dtype and,
     under grad mode, the same ``requires_grad`` of ``x`` and of ``weight``. They are compared
-    first, in the two all-reduces of the check: a ``ValueError`` on every rank names what
-    differs (not under ``torch.compile``, where the check would break the graph). The default
-    chunk comes from the whole vocabulary.
+    in the first all-reduce of forward, the targets by a checksum (and, under
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, before it in two all-reduces, the targets exactly): a
+    ``ValueError`` on every rank names what differs (not under ``torch.compile``, where the
+    check would break the graph). The default chunk comes from the whole vocabulary.
 
     The logits are widened to float32 from bfloat16 and float16, and soft-capped. The loss
     has the accumulation dtype: float32 when the products run in bfloat16 or float16,
@@ -790,7 +923,12 @@ def linear_cross_entropy(
     )
     grad = torch.is_grad_enabled()
     want_x, want_w = grad and x.requires_grad, grad and weight.requires_grad
-    _check_same_call(target, o, want_x=want_x, want_w=want_w)
+    if shard is not None and not torch.compiler.is_compiling():
+        # The ranks' calls are compared in forward's first all-reduce, or before it under DETAIL.
+        if _detail():
+            _check_same_call(target, o, shard, want_x=want_x, want_w=want_w)
+        else:
+            o = o._replace(check=True)
     args = (x, weight, target, o, want_x, want_w)
     with torch.autocast(x.device.type, enabled=False):
         if torch.compiler.is_compiling():

@@ -212,7 +212,7 @@ class TiedLinear:
         Args:
             x: Input of shape (..., in_features).
             target: Class indices of an integer dtype, with ``x``'s leading shape.
-            ignore_index: Target value that is not counted, as in ``F.cross_entropy``.
+            ignore_index: Target value not counted, as in ``F.cross_entropy``, nor computed.
             reduction: ``"mean"`` over the counted tokens, ``"sum"``, or ``"none"`` (per
                 token, 0 where ignored). ``"none"``: Added in version v3.59.0.
             label_smoothing: As in ``F.cross_entropy``.
