@@ -617,6 +617,35 @@ def test_ranks_passing_different_dtensor_parameters_are_refused_on_each(
             torch.testing.assert_close(grad, torch.full((1,), 3.0, dtype=dtype))
 
 
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+@pytest.mark.parametrize("size", [3, 300])
+def test_dtensors_whose_gradients_are_missing_on_different_ranks_are_refused_on_each(
+    size: int, norm_type: float
+) -> None:
+    # Rank 0 lacks the gradient of one DTensor, rank 1 of another (data-dependent branches):
+    # the numbers of gradients agree, the norms would not. Among 300, rank 1 lacks two whose
+    # positions sum as rank 0's do (1 + 4 == 2 + 3), which a sum of positions would miss.
+    missing = {0: [1, 4], 1: [2, 3]} if size == 300 else {0: [1], 1: [2]}
+
+    def rank_main(rank: int) -> tuple[str, list[torch.Tensor]]:
+        mesh = init_device_mesh("cpu", (2,))
+        params = []
+        for i in range(size):
+            param = nn.Parameter(distribute_tensor(torch.zeros(i % 4 + 2), mesh, [Shard(0)]))
+            param.grad = distribute_tensor(torch.ones(i % 4 + 2), mesh, [Shard(0)])
+            params.append(param)
+        for i in missing[rank]:
+            params[i].grad = None
+        with pytest.raises(ValueError, match=r"shape \(3,\).*zeros_like") as info:
+            clip_grad_norm_(params, 1e-3, norm_type)
+        return str(info.value), [p.grad.to_local() for p in params if p.grad is not None]
+
+    results = run_threads(2, rank_main)
+    assert results[0][0] == results[1][0]
+    for _, grads in results:
+        assert all(torch.equal(grad, torch.ones_like(grad)) for grad in grads)  # none scaled
+
+
 def plain_with_grad(grad: torch.Tensor) -> nn.Parameter:
     param = nn.Parameter(torch.zeros_like(grad))
     param.grad = grad.clone()
@@ -787,7 +816,8 @@ def test_the_checks_ride_the_norms_all_reduce_and_detail_adds_its_own(
     level: dist.DebugLevel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # What the guide says each check costs: by default the counts ride the norm's one
-    # all-reduce of 8 float64 (part, nan, held, empty, 2 counts, and their squares); under
+    # all-reduce of 14 float64 (part, nan, held, empty; 2 counts and the 3 digits of which
+    # parameters have a gradient, and their squares); under
     # DETAIL, the agreement over the default group (2 * world + 1 int32) and the flags of
     # which parameters have a gradient (2 int32 a parameter) come in collectives of their own.
     sizes: dict[int, list[tuple[torch.dtype, int]]] = {0: [], 1: []}
@@ -811,7 +841,7 @@ def test_the_checks_ride_the_norms_all_reduce_and_detail_adds_its_own(
         run_threads(2, rank_main)
     finally:
         dist.set_debug_level(default)
-    norm = [(torch.float64, 8)]
+    norm = [(torch.float64, 14)]
     expected = norm if level == dist.DebugLevel.OFF else [(torch.int32, 5), *norm, (torch.int32, 2)]
     assert sizes == {0: expected, 1: expected}
 

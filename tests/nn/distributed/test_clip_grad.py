@@ -83,7 +83,8 @@ def parity_in_a_process() -> dict[str, Any]:
             results[f"narrow-{norm_type}"] = narrow_only(norm_type)
             results[f"pipeline-{norm_type}"] = pipeline_with_a_frozen_stage(norm_type)
         results["counts"] = collectives()
-        results["missing"] = missing_on_one_rank()
+        results["missing"] = missing_on_some_ranks(swapped=False)
+        results["swapped"] = missing_on_some_ranks(swapped=True)
         for norm_type in (INF, -INF, -1.0, 2.0):
             results[f"empty-{norm_type}"] = without_elements(norm_type)
         with debug_level(dist.DebugLevel.DETAIL):  # what would hang the others by default
@@ -157,10 +158,15 @@ def collectives() -> dict[str, dict[str, int]]:
     return found
 
 
-def missing_on_one_rank() -> tuple[str, bool]:
-    """A DTensor gradient that rank 1 lacks: the same error on every rank, nothing scaled."""
+def missing_on_some_ranks(swapped: bool) -> tuple[str, bool]:
+    """A DTensor gradient that rank 1 lacks (or rank 0, while the others lack another, so
+    that every rank has as many): the same error on every rank, nothing scaled."""
     model = model_after_backward(sharded=True)
-    if dist.get_rank() == 1:
+    if swapped and dist.get_rank() == 0:
+        model.wide.weight.grad = None
+    elif swapped:
+        model.wide.bias.grad = None
+    elif dist.get_rank() == 1:
         model.wide.weight.grad = None
     before = [p.grad.to_local().clone() for p in model.parameters() if p.grad is not None]
     with pytest.raises(ValueError, match="zeros_like") as info:
@@ -261,14 +267,15 @@ def test_clip_grad_norm_on_uneven_and_empty_fsdp2_shards_is_torchs_on_the_whole_
             "ours-0-DETAIL": {reduce: 4},
             "pipeline-DETAIL": {reduce: 1},
         }
-        message, unchanged = results["missing"]
-        assert message == (
-            "clip_grad_norm_: a DTensor parameter of shape (17, 1) has a gradient on some ranks "
-            "of its device mesh and None on others, so its gradient is neither whole nor absent. "
-            "Give it a gradient on every rank (zeros where a rank has none: param.grad = "
-            "torch.zeros_like(param)) or on none (param.grad = None)"
-        )
-        assert unchanged
+        for key in ("missing", "swapped"):
+            message, unchanged = results[key]
+            assert message == (
+                "clip_grad_norm_: a DTensor parameter of shape (17, 1) has a gradient on some "
+                "ranks of its device mesh and None on others, so its gradient is neither whole "
+                "nor absent. Give it a gradient on every rank (zeros where a rank has none: "
+                "param.grad = torch.zeros_like(param)) or on none (param.grad = None)"
+            )
+            assert unchanged
         # inf, -inf and a negative p over a gradient without elements: refused on every rank,
         # as torch refuses them; a positive p-norm counts it as nothing, as torch's.
         for norm_type in (INF, -INF, -1.0):

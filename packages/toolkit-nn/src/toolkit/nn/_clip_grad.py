@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING
@@ -49,9 +50,9 @@ def clip_grad_norm_(
     Raises:
         ValueError: On every rank of a mesh, before any gradient changes, if its ranks pass
             different numbers of its DTensors, or a DTensor has a gradient on some ranks only
-            (by default where their numbers of gradients differ). Under DETAIL, on every
-            rank: a rank passing none of its mesh's DTensors (by default, a hang), or a
-            plain tensor's gradient a DTensor on some ranks only.
+            (told by a 48-bit digest of which have one, and under DETAIL exactly). On every
+            rank under DETAIL: a rank passing none of its mesh's DTensors (by default, a
+            hang), or a plain tensor's gradient a DTensor on some ranks only.
         RuntimeError: As torch's, on every rank of the meshes, before any gradient
             changes: an ``inf``, ``-inf`` or negative ``norm_type`` over a gradient without
             elements, a norm not finite under ``error_if_nonfinite``, or ``foreach=True``
@@ -359,10 +360,12 @@ def mesh_norm(
 
     Each rank takes the norm of its local shards, counting each replicated shard once and
     leaving out empty shards, and the ranks combine theirs in one all-reduce per mesh
-    dimension (:func:`combine`), beside ``empty`` and two counts every rank must share: the
-    mesh's DTensors it passed, and those with a gradient. The 0-"norm" counts each gradient
-    with a nonzero element over the mesh: one all-reduce more. Where the counts of gradients
-    differ, or under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, one more compares which have one.
+    dimension (:func:`combine`), beside ``empty`` and what every rank must share: the number
+    of the mesh's DTensors it passed, the number with a gradient, and the digits of which
+    have one (:func:`presence`). The 0-"norm" counts each gradient with a nonzero element
+    over the mesh: one all-reduce more. Where the ranks differ in which have a gradient, or
+    under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, one more compares them parameter by parameter,
+    to name one.
 
     Returns:
         The norm, whether a rank of the mesh has a gradient without elements that
@@ -377,14 +380,15 @@ def mesh_norm(
     shards = [None if g is None else own_shard(g, coordinate) for g in grads]
     mine = [s for s in shards if s is not None]
     norm = vector_norm(mine, norm_type, foreach) if mine and norm_type != 0 else None
-    counts = [len(group), held]
+    counts = [len(group), held, *presence(grads)]
     reduce = functools.partial(all_reduce, mesh)
     total, empty, agreed = combine(
         norm, held > 0, empty, counts, norm_type, mesh.size(), anchor.device, reduce
     )
     if not agreed[0]:
         return None, empty, _UNEQUAL  # the flags below would differ in length
-    problem = gradient_on_some_ranks(group, mesh) if detail() or not agreed[1] else None
+    named = detail() or not all(agreed[1:])
+    problem = gradient_on_some_ranks(group, mesh) if named else None
     if total is not None and norm_type == 0:
         # torch's 0-"norm" counts the gradients with a nonzero element: count each over the mesh.
         zero = anchor.new_tensor(False)
@@ -396,6 +400,21 @@ def mesh_norm(
     # torch's norm has the gradients' dtype: a frozen parameter's does not count.
     dtype = functools.reduce(torch.promote_types, [g.dtype for g in grads if g is not None])
     return total.to(dtype), empty, problem
+
+
+def presence(grads: list[torch.Tensor | None]) -> list[int]:
+    """Which of ``grads`` exist: three 16-bit digits of a 48-bit digest of the pattern.
+
+    The ranks of a mesh compare the digits where they compare their counts (:func:`combine`).
+    Two ranks whose gradients exist at different positions give the same digits only where
+    BLAKE2b's digests of their patterns agree in 48 bits, 1 chance in 2 ** 48 whatever the
+    pattern (a sum weighted by positions misses rank 0 lacking 1 and 4 where rank 1 lacks 2
+    and 3; any fixed-size code misses some pattern). Each digit is below 2 ** 16: its square
+    summed over fewer than 2 ** 21 ranks is an integer below 2 ** 53, exact in float64.
+    """
+    pattern = bytes(g is not None for g in grads)
+    digest = hashlib.blake2b(pattern, digest_size=6).digest()
+    return [int.from_bytes(digest[i : i + 2], "little") for i in range(0, 6, 2)]
 
 
 def own_shard(grad: torch.Tensor, coordinate: list[int] | None) -> torch.Tensor | None:
@@ -447,6 +466,8 @@ def combine(
     is infinite for a negative p). Beside the part ride whether it is nan (gloo's MAX may
     drop one), ``held`` (whether the rank has a gradient), ``empty``, and ``counts``, which
     must be equal on every rank: each with its negative under MAX, its square under SUM.
+    Each count is a natural number whose square times ``size`` is below ``2 ** 53``, so that
+    float64 adds them exactly.
 
     Returns:
         The norm (None where no rank holds a gradient), whether a rank is ``empty``, and for
@@ -465,13 +486,18 @@ def combine(
         payload = torch.cat([part[None], flags.to(part), checks, spread])
     reduce(payload, op)
     part, nan, held_by, empty_by = payload[:4]
-    checks, spread = payload[4:].tensor_split(2)
-    # The largest equals the smallest; under SUM, size * sum(x ** 2) == sum(x) ** 2.
-    agreed = checks == -spread if infinite else checks.square() == size * spread
+    firsts, seconds = (half.tolist() for half in payload[4:].tensor_split(2))
+    # The largest equals the smallest; under SUM, size * sum(x ** 2) == sum(x) ** 2, which
+    # holds only where every x is the same. Both sides are compared as Python integers: the
+    # sums are exact in float64 (the integers are below 2 ** 53), their squares may not be.
+    agreed = [
+        x == -y if infinite else int(x) ** 2 == size * int(y)
+        for x, y in zip(firsts, seconds, strict=True)
+    ]
     if not held_by:
-        return None, bool(empty_by), agreed.tolist()
+        return None, bool(empty_by), agreed
     total = part.abs() if infinite else part if norm_type == 0 else part.pow(1.0 / norm_type)
-    return torch.where(nan > 0, math.nan, total), bool(empty_by), agreed.tolist()
+    return torch.where(nan > 0, math.nan, total), bool(empty_by), agreed
 
 
 def vector_norm(
