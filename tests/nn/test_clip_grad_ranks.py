@@ -646,6 +646,25 @@ def test_dtensors_whose_gradients_are_missing_on_different_ranks_are_refused_on_
         assert all(torch.equal(grad, torch.ones_like(grad)) for grad in grads)  # none scaled
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 0.0])
+def test_a_rank_without_any_gradient_of_its_mesh_is_refused_like_the_others(
+    norm_type: float,
+) -> None:
+    # The mesh's only DTensor has a gradient on rank 1 alone: rank 0 holds no gradient there,
+    # and raises the same error as rank 1, not one of its own.
+    def rank_main(rank: int) -> str:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = nn.Parameter(DTensor.from_local(torch.zeros(2), mesh, [Shard(0)]))
+        if rank == 1:  # without a collective: rank 0 makes none
+            weight.grad = DTensor.from_local(torch.ones(2), mesh, [Shard(0)])
+        with pytest.raises(ValueError, match=r"shape \(4,\).*zeros_like") as info:
+            clip_grad_norm_([weight], 1e-3, norm_type)
+        return str(info.value)
+
+    messages = run_threads(2, rank_main)
+    assert messages[0] == messages[1]
+
+
 def plain_with_grad(grad: torch.Tensor) -> nn.Parameter:
     param = nn.Parameter(torch.zeros_like(grad))
     param.grad = grad.clone()

@@ -389,6 +389,8 @@ def mesh_norm(
         return None, empty, _UNEQUAL  # the flags below would differ in length
     named = detail() or not all(agreed[1:])
     problem = gradient_on_some_ranks(group, mesh) if named else None
+    if problem is not None:  # the same on every rank of the mesh: each returns here
+        return None, empty, problem
     if total is not None and norm_type == 0:
         # torch's 0-"norm" counts the gradients with a nonzero element: count each over the mesh.
         zero = anchor.new_tensor(False)
