@@ -39,6 +39,7 @@ SUBJECTS: dict[str, str] = {
     "dict": "module_dict",
     "tensor-parallel": "tensor_parallel",
     "pipeline": "pipeline",
+    "clip": "clip",
     "cross-entropy": "cross_entropy",
     "causal-lm-loss": "causal_lm_loss",
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -144,11 +145,12 @@ def stage_params(rank: int | None, frozen_middle: bool) -> list[nn.Parameter]:
 
 
 @pytest.mark.parametrize("frozen_middle", [False, True], ids=["all", "frozen-middle"])
-@pytest.mark.parametrize("norm_type", [0.0, 1.0, 2.0, 3.0, INF, -INF])
+@pytest.mark.parametrize("norm_type", [0.0, 1.0, 2.0, 3.0, 0.5, -0.5, -1.0, INF, -INF])
 def test_pipeline_clipping_is_torchs_over_the_whole_model(
     norm_type: float, frozen_middle: bool
 ) -> None:
-    # A frozen middle stage takes no part: with -inf its norm would otherwise be the smallest.
+    # A frozen middle stage takes no part: with -inf its norm would otherwise be the smallest,
+    # and a negative p would raise its 0 to an infinite power.
     whole = stage_params(None, frozen_middle)
     max_norm = (
         float(
@@ -191,6 +193,15 @@ def test_pipeline_clipping_without_the_pipeline_group_on_a_larger_world_is_refus
         'such as group=mesh["pp"] (or group=dist.group.WORLD when every rank is a stage of one '
         "pipeline), or the tie= built on that group"
     }
+
+
+@pytest.fixture
+def detail() -> Iterator[None]:
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` as torch reads it: the checks that need collectives."""
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    yield
+    dist.set_debug_level(level)
 
 
 @pytest.fixture
@@ -247,7 +258,7 @@ def test_a_one_rank_pipeline_in_a_larger_world_communicates_nothing(
     assert reduced == {0: [], 1: []}
 
 
-@pytest.mark.parametrize("norm_type", [2.0, INF, -INF])
+@pytest.mark.parametrize("norm_type", [2.0, 0.5, 0.0, -1.0, INF, -INF])
 def test_pipeline_clipping_without_any_gradient_gives_zero_as_torch(norm_type: float) -> None:
     expected = torch.nn.utils.clip_grad_norm_([nn.Parameter(torch.zeros(2))], 1.0, norm_type)
 
@@ -434,7 +445,7 @@ def test_gradients_on_two_devices_raise_torchs_error_and_nothing_is_scaled(
         assert torch.equal(grad, torch.tensor([1.0, 2.0, 2.0, 4.0]))
 
 
-@pytest.mark.parametrize("norm_type", [INF, -INF, 2.0])
+@pytest.mark.parametrize("norm_type", [INF, -INF, 2.0, 0.5, 0.0, -1.0])
 def test_a_mesh_whose_dtensors_have_no_gradient_on_any_rank_takes_no_part(
     norm_type: float,
 ) -> None:
@@ -444,7 +455,7 @@ def test_a_mesh_whose_dtensors_have_no_gradient_on_any_rank_takes_no_part(
         return param
 
     expected = torch.nn.utils.clip_grad_norm_([bias()], 1.0, norm_type)
-    assert expected >= 2.0
+    assert expected >= 1.0
 
     def rank_main(rank: int) -> torch.Tensor:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("frozen",))
@@ -490,8 +501,8 @@ def test_the_0_norm_counts_each_dtensor_with_a_nonzero_element_once_as_torch() -
         torch.testing.assert_close(norm, expected)
 
 
-@pytest.mark.parametrize("norm_type", [INF, -INF])
-def test_a_rank_whose_shards_are_all_empty_takes_no_part_in_the_largest_or_smallest(
+@pytest.mark.parametrize("norm_type", [INF, -INF, 2.0, 0.5, 0.0, -0.5, -1.0])
+def test_a_rank_whose_shards_are_all_empty_takes_no_part_in_the_norm(
     norm_type: float,
 ) -> None:
     # nn.Linear(8, 1)'s bias under FSDP2 on two ranks: rank 1 holds no element of it.
@@ -606,18 +617,67 @@ def test_ranks_passing_different_dtensor_parameters_are_refused_on_each(
             torch.testing.assert_close(grad, torch.full((1,), 3.0, dtype=dtype))
 
 
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+@pytest.mark.parametrize("size", [3, 300])
+def test_dtensors_whose_gradients_are_missing_on_different_ranks_are_refused_on_each(
+    size: int, norm_type: float
+) -> None:
+    # Rank 0 lacks the gradient of one DTensor, rank 1 of another (data-dependent branches):
+    # the numbers of gradients agree, the norms would not. Among 300, rank 1 lacks two whose
+    # positions sum as rank 0's do (1 + 4 == 2 + 3), which a sum of positions would miss.
+    missing = {0: [1, 4], 1: [2, 3]} if size == 300 else {0: [1], 1: [2]}
+
+    def rank_main(rank: int) -> tuple[str, list[torch.Tensor]]:
+        mesh = init_device_mesh("cpu", (2,))
+        params = []
+        for i in range(size):
+            param = nn.Parameter(distribute_tensor(torch.zeros(i % 4 + 2), mesh, [Shard(0)]))
+            param.grad = distribute_tensor(torch.ones(i % 4 + 2), mesh, [Shard(0)])
+            params.append(param)
+        for i in missing[rank]:
+            params[i].grad = None
+        with pytest.raises(ValueError, match=r"shape \(3,\).*zeros_like") as info:
+            clip_grad_norm_(params, 1e-3, norm_type)
+        return str(info.value), [p.grad.to_local() for p in params if p.grad is not None]
+
+    results = run_threads(2, rank_main)
+    assert results[0][0] == results[1][0]
+    for _, grads in results:
+        assert all(torch.equal(grad, torch.ones_like(grad)) for grad in grads)  # none scaled
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 0.0])
+def test_a_rank_without_any_gradient_of_its_mesh_is_refused_like_the_others(
+    norm_type: float,
+) -> None:
+    # The mesh's only DTensor has a gradient on rank 1 alone: rank 0 holds no gradient there,
+    # and raises the same error as rank 1, not one of its own.
+    def rank_main(rank: int) -> str:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = nn.Parameter(DTensor.from_local(torch.zeros(2), mesh, [Shard(0)]))
+        if rank == 1:  # without a collective: rank 0 makes none
+            weight.grad = DTensor.from_local(torch.ones(2), mesh, [Shard(0)])
+        with pytest.raises(ValueError, match=r"shape \(4,\).*zeros_like") as info:
+            clip_grad_norm_([weight], 1e-3, norm_type)
+        return str(info.value)
+
+    messages = run_threads(2, rank_main)
+    assert messages[0] == messages[1]
+
+
 def plain_with_grad(grad: torch.Tensor) -> nn.Parameter:
     param = nn.Parameter(torch.zeros_like(grad))
     param.grad = grad.clone()
     return param
 
 
-@pytest.mark.parametrize("norm_type", [INF, -INF])
+@pytest.mark.parametrize("norm_type", [INF, -INF, -1.0])
 @pytest.mark.parametrize("empty", ["dtensor", "plain-on-rank-0"])
-def test_an_inf_norm_over_a_gradient_without_elements_is_refused_on_every_rank_as_torch(
+def test_an_inf_or_negative_norm_over_a_gradient_without_elements_is_refused_on_every_rank(
     empty: str, norm_type: float
 ) -> None:
-    # torch refuses the largest or smallest absolute value of no elements; so does a process
+    # torch refuses the largest or smallest absolute value of no elements, and a negative power
+    # of none (a sum without an identity to start from); so does a process
     # without a process group, and so does every rank, wherever the empty gradient is.
     bias = torch.tensor([2.0, -3.0])
     with pytest.raises(RuntimeError):
@@ -650,6 +710,7 @@ def test_an_inf_norm_over_a_gradient_without_elements_is_refused_on_every_rank_a
         torch.testing.assert_close(norm, expected)
 
 
+@pytest.mark.usefixtures("detail")
 @pytest.mark.parametrize("other", ["plain", "none"])
 @pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside-dtensors"])
 def test_a_plain_parameters_gradient_that_is_a_dtensor_on_some_ranks_only_is_refused_on_each(
@@ -687,6 +748,27 @@ def test_a_plain_parameters_gradient_that_is_a_dtensor_on_some_ranks_only_is_ref
             assert torch.equal(grads[2], torch.ones(3))  # type: ignore[arg-type]
 
 
+def test_without_detail_a_gradient_kind_that_differs_beside_dtensors_is_refused_by_count() -> None:
+    # Rank 0 counts a plain parameter with a DTensor gradient on the mesh, rank 1 does not:
+    # the counts that ride the norm's all-reduce differ, and every rank raises.
+    def rank_main(rank: int) -> tuple[str, torch.Tensor]:
+        mesh = init_device_mesh("cpu", (2,))
+        scale = plain_with_grad(torch.tensor([3.0, 4.0]))
+        if rank == 0:
+            scale.grad = DTensor.from_local(torch.tensor([3.0, 4.0]), mesh, [Replicate()])
+        weight = nn.Parameter(distribute_tensor(torch.zeros(3), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(torch.ones(3), mesh, [Shard(0)])
+        with pytest.raises(ValueError, match=r"different numbers.*DTensor gradient") as info:
+            clip_grad_norm_([scale, weight], 1e-3)
+        return str(info.value), weight.grad.full_tensor()
+
+    results = run_threads(2, rank_main)
+    assert results[0][0] == results[1][0]
+    for _, grad in results:
+        assert torch.equal(grad, torch.ones(3))
+
+
+@pytest.mark.usefixtures("detail")
 @pytest.mark.parametrize("passed", ["plain", "nothing"])
 def test_a_rank_that_passes_no_dtensor_of_its_mesh_is_refused_on_every_rank(passed: str) -> None:
     # Rank 1 passes only its plain parameters (or none): it cannot know that rank 0 waits for
@@ -729,7 +811,7 @@ def test_ranks_outside_every_mesh_of_the_others_may_pass_only_plain_tensors() ->
         torch.testing.assert_close(norm, expected[rank // 2])
 
 
-@pytest.mark.parametrize("norm_type", [INF, -INF])
+@pytest.mark.parametrize("norm_type", [INF, -INF, -0.5])
 def test_without_a_process_group_an_inf_norm_over_an_empty_gradient_is_refused_as_torch(
     norm_type: float,
 ) -> None:
@@ -748,10 +830,15 @@ def test_without_a_process_group_an_inf_norm_over_an_empty_gradient_is_refused_a
     assert torch.equal(mine[0].grad, torch.full((3,), 2.0))  # nothing scaled
 
 
-def test_the_ranks_agree_in_one_all_reduce_of_2_world_plus_2_integers(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("level", [dist.DebugLevel.OFF, dist.DebugLevel.DETAIL], ids=str)
+def test_the_checks_ride_the_norms_all_reduce_and_detail_adds_its_own(
+    level: dist.DebugLevel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # What the guide says the agreement costs, on every rank, whatever it holds.
+    # What the guide says each check costs: by default the counts ride the norm's one
+    # all-reduce of 14 float64 (part, nan, held, empty; 2 counts and the 3 digits of which
+    # parameters have a gradient, and their squares); under
+    # DETAIL, the agreement over the default group (2 * world + 1 int32) and the flags of
+    # which parameters have a gradient (2 int32 a parameter) come in collectives of their own.
     sizes: dict[int, list[tuple[torch.dtype, int]]] = {0: [], 1: []}
     real = dist.all_reduce
 
@@ -760,6 +847,8 @@ def test_the_ranks_agree_in_one_all_reduce_of_2_world_plus_2_integers(
         return real(tensor, *args, **kwargs)
 
     monkeypatch.setattr(dist, "all_reduce", logged)
+    default = dist.get_debug_level()
+    dist.set_debug_level(level)
 
     def rank_main(rank: int) -> None:
         mesh = init_device_mesh("cpu", (2,))
@@ -767,11 +856,16 @@ def test_the_ranks_agree_in_one_all_reduce_of_2_world_plus_2_integers(
         weight.grad = distribute_tensor(torch.full((4, 2), 0.5), mesh, [Shard(0)])
         clip_grad_norm_([weight], 1.0)
 
-    run_threads(2, rank_main)
-    for rank in (0, 1):
-        assert [size for dtype, size in sizes[rank] if dtype == torch.int32] == [6]
+    try:
+        run_threads(2, rank_main)
+    finally:
+        dist.set_debug_level(default)
+    norm = [(torch.float64, 14)]
+    expected = norm if level == dist.DebugLevel.OFF else [(torch.int32, 5), *norm, (torch.int32, 2)]
+    assert sizes == {0: expected, 1: expected}
 
 
+@pytest.mark.usefixtures("detail")
 def test_plain_parameters_whose_dtensor_gradients_sit_at_other_positions_are_refused_on_each() -> (
     None
 ):
@@ -793,6 +887,7 @@ def test_plain_parameters_whose_dtensor_gradients_sit_at_other_positions_are_ref
             assert torch.equal(grad, expected)  # nothing was scaled
 
 
+@pytest.mark.usefixtures("detail")
 def test_the_refusal_names_the_first_parameter_whose_gradients_differ_in_kind() -> None:
     # Two meshes, {0, 1} and {2, 3}. parameters[0] has a DTensor gradient on rank 0 only;
     # parameters[3] has one on ranks 2 and 3 alike, which is fine.

@@ -2,12 +2,17 @@
 
 The model shards unevenly: a one-row weight and bias leave every rank but the first with an
 empty shard, and 17 rows split 9 + 8 on two ranks and 6 + 6 + 5 on three. Its two layers
-differ in dtype (float32, then float64) on one mesh. One launch per world size.
+differ in dtype (float32, then float64) on one mesh. With the wide layer frozen, every rank but
+the first holds only empty shards. pipeline_clip_grad_norm_ runs one stage per rank, the second
+frozen. Each rank counts the collectives of one call with ``CommDebugMode``, by default and
+under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. One launch per world size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,12 +22,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 from tests.nn.ranks import process_group, run_processes
-from toolkit.nn import clip_grad_norm_
+from toolkit.nn import clip_grad_norm_, pipeline_clip_grad_norm_
 
 INF = math.inf
-NORM_TYPES = [2.0, 1.0, 3.0, INF, -INF, 0.0]
+NORM_TYPES = [2.0, 1.0, 3.0, 0.5, -0.5, -1.0, INF, -INF, 0.0]
 
 
 class Uneven(nn.Module):
@@ -74,20 +80,93 @@ def parity_in_a_process() -> dict[str, Any]:
                 (full(p.grad), q.grad)
                 for p, q in zip(model.parameters(), whole.parameters(), strict=True)
             ]
-        results["missing"] = missing_on_one_rank()
-        results["absent"] = absent_on_every_rank()
-        for norm_type in (INF, -INF, 2.0):
+            results[f"narrow-{norm_type}"] = narrow_only(norm_type)
+            results[f"pipeline-{norm_type}"] = pipeline_with_a_frozen_stage(norm_type)
+        results["counts"] = collectives()
+        results["missing"] = missing_on_some_ranks(swapped=False)
+        results["swapped"] = missing_on_some_ranks(swapped=True)
+        for norm_type in (INF, -INF, -1.0, 2.0):
             results[f"empty-{norm_type}"] = without_elements(norm_type)
-        for beside in (False, True):
-            results[f"kinds-{beside}"] = kinds_differ(beside)
-        results["no-dtensor"] = no_dtensor_on_some_ranks()
+        with debug_level(dist.DebugLevel.DETAIL):  # what would hang the others by default
+            for beside in (False, True):
+                results[f"kinds-{beside}"] = kinds_differ(beside)
+            results["no-dtensor"] = no_dtensor_on_some_ranks()
         return results
 
 
-def missing_on_one_rank() -> tuple[str, bool]:
-    """A DTensor gradient that rank 1 lacks: the same error on every rank, nothing scaled."""
+def narrow_only(norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The wide layer frozen: every rank but the first holds only empty shards, and the frozen
+    DTensors take no part, as frozen parameters in torch."""
+    whole = model_after_backward(sharded=False)
     model = model_after_backward(sharded=True)
-    if dist.get_rank() == 1:
+    for layer in (whole.wide, model.wide):
+        layer.weight.grad = layer.bias.grad = None
+    expected = torch.nn.utils.clip_grad_norm_(whole.parameters(), 1e-3, norm_type)
+    return clip_grad_norm_(model.parameters(), 1e-3, norm_type), expected
+
+
+STAGES = [[(5, 3), (5,)], [(4, 5), (4,)], [(2, 4)]]  # the parameters of three uneven stages
+
+
+def stage_params(stage: int) -> list[nn.Parameter]:
+    """Stage ``stage``'s parameters, with gradients but on the frozen second stage."""
+    gen = torch.Generator().manual_seed(8 + stage)
+    params = [nn.Parameter(torch.zeros(shape)) for shape in STAGES[stage]]
+    for param in params:
+        param.grad = None if stage == 1 else torch.randn(param.shape, generator=gen)
+    return params
+
+
+def pipeline_with_a_frozen_stage(norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One stage per rank, the second frozen, against torch's clip of every stage at once."""
+    whole = [p for stage in range(dist.get_world_size()) for p in stage_params(stage)]
+    expected = torch.nn.utils.clip_grad_norm_(whole, 1e-3, norm_type)
+    mine = stage_params(dist.get_rank())
+    return pipeline_clip_grad_norm_(mine, 1e-3, norm_type, group=dist.group.WORLD), expected
+
+
+@contextlib.contextmanager
+def debug_level(level: dist.DebugLevel) -> Iterator[None]:
+    """``TORCH_DISTRIBUTED_DEBUG`` as torch reads it, set to ``level`` for the block."""
+    default = dist.get_debug_level()
+    dist.set_debug_level(level)
+    try:
+        yield
+    finally:
+        dist.set_debug_level(default)
+
+
+def collectives() -> dict[str, dict[str, int]]:
+    """The collectives of one call on the FSDP2 model's gradients, by default and under DETAIL."""
+    calls: dict[str, Any] = {
+        "torch": lambda params: torch.nn.utils.clip_grad_norm_(params, 1e-3),
+        "ours": lambda params: clip_grad_norm_(params, 1e-3),
+        "ours-0": lambda params: clip_grad_norm_(params, 1e-3, 0.0),
+        "pipeline": lambda _: pipeline_clip_grad_norm_(
+            stage_params(dist.get_rank()), 1e-3, group=dist.group.WORLD
+        ),
+    }
+    found = {}
+    for level in (dist.DebugLevel.OFF, dist.DebugLevel.DETAIL):
+        with debug_level(level):
+            for name, call in calls.items():
+                params = list(model_after_backward(sharded=True).parameters())
+                with CommDebugMode() as mode:
+                    call(params)
+                counted = mode.get_comm_counts()
+                found[f"{name}-{level.name}"] = {str(op): n for op, n in counted.items()}
+    return found
+
+
+def missing_on_some_ranks(swapped: bool) -> tuple[str, bool]:
+    """A DTensor gradient that rank 1 lacks (or rank 0, while the others lack another, so
+    that every rank has as many): the same error on every rank, nothing scaled."""
+    model = model_after_backward(sharded=True)
+    if swapped and dist.get_rank() == 0:
+        model.wide.weight.grad = None
+    elif swapped:
+        model.wide.bias.grad = None
+    elif dist.get_rank() == 1:
         model.wide.weight.grad = None
     before = [p.grad.to_local().clone() for p in model.parameters() if p.grad is not None]
     with pytest.raises(ValueError, match="zeros_like") as info:
@@ -95,16 +174,6 @@ def missing_on_one_rank() -> tuple[str, bool]:
     after = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
     unchanged = all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     return str(info.value), unchanged
-
-
-def absent_on_every_rank() -> tuple[torch.Tensor, torch.Tensor]:
-    """A DTensor without a gradient on any rank takes no part, as a frozen one in torch."""
-    whole = model_after_backward(sharded=False)
-    whole.narrow.weight.grad = None
-    expected = torch.nn.utils.clip_grad_norm_(whole.parameters(), 1e-3, -INF)
-    model = model_after_backward(sharded=True)
-    model.narrow.weight.grad = None
-    return clip_grad_norm_(model.parameters(), 1e-3, -INF), expected
 
 
 def with_grad(param: torch.Tensor, grad: torch.Tensor) -> nn.Parameter:
@@ -184,19 +253,32 @@ def test_clip_grad_norm_on_uneven_and_empty_fsdp2_shards_is_torchs_on_the_whole_
             torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
             for grad, reference in results[f"grads-{norm_type}"]:
                 torch.testing.assert_close(grad, reference, rtol=1e-6, atol=0)
-        message, unchanged = results["missing"]
-        assert message == (
-            "clip_grad_norm_: a DTensor parameter of shape (17, 1) has a gradient on some ranks "
-            "of its device mesh and None on others, so its gradient is neither whole nor absent. "
-            "Give it a gradient on every rank (zeros where a rank has none: param.grad = "
-            "torch.zeros_like(param)) or on none (param.grad = None)"
-        )
-        assert unchanged
-        norm, expected = results["absent"]
-        torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
-        # inf and -inf over a gradient without elements: refused on every rank, as torch
-        # refuses them; a p-norm counts it as nothing, as torch's.
-        for norm_type in (INF, -INF):
+            for case in ("narrow", "pipeline"):
+                norm, expected = results[f"{case}-{norm_type}"]
+                torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+        reduce = "c10d.allreduce_"  # the functional all_reduce of a DTensor counts the same
+        assert results["counts"] == {
+            "torch-OFF": {"c10d_functional.all_reduce": 1},
+            "ours-OFF": {reduce: 1},
+            "ours-0-OFF": {reduce: 2},  # the 0-"norm" needs each gradient's count as well
+            "pipeline-OFF": {reduce: 1},
+            "torch-DETAIL": {"c10d_functional.all_reduce": 1},
+            "ours-DETAIL": {reduce: 3},
+            "ours-0-DETAIL": {reduce: 4},
+            "pipeline-DETAIL": {reduce: 1},
+        }
+        for key in ("missing", "swapped"):
+            message, unchanged = results[key]
+            assert message == (
+                "clip_grad_norm_: a DTensor parameter of shape (17, 1) has a gradient on some "
+                "ranks of its device mesh and None on others, so its gradient is neither whole "
+                "nor absent. Give it a gradient on every rank (zeros where a rank has none: "
+                "param.grad = torch.zeros_like(param)) or on none (param.grad = None)"
+            )
+            assert unchanged
+        # inf, -inf and a negative p over a gradient without elements: refused on every rank,
+        # as torch refuses them; a positive p-norm counts it as nothing, as torch's.
+        for norm_type in (INF, -INF, -1.0):
             message, torch_error, unchanged = results[f"empty-{norm_type}"]
             assert torch_error is RuntimeError
             assert message == ranks[0][f"empty-{norm_type}"][0]

@@ -8,10 +8,10 @@ tie_output_embeddings.
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
-from toolkit.nn._clip_grad import clip_grad_norm_
+from toolkit.nn._clip_grad import clip_grad_norm_, pipeline_clip_grad_norm_
 from toolkit.nn._entries import create_entries, sync_entries
 from toolkit.nn._module_default_dict import ModuleDefaultDict
-from toolkit.nn._pipeline_tie import PipelineTie, pipeline_clip_grad_norm_
+from toolkit.nn._pipeline_tie import PipelineTie
 from toolkit.nn._tied_linear import TiedLinear
 from toolkit.nn._transformers import tie_output_embeddings
 

@@ -1,10 +1,11 @@
-"""clip_grad_norm_ for gradients that live on several device meshes."""
+"""clip_grad_norm_ for gradients on several device meshes, and over a pipeline's stages."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +16,9 @@ from toolkit.nn._common import _gather_objects, _is_dtensor
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["clip_grad_norm_"]
+    from toolkit.nn._pipeline_tie import PipelineTie
+
+__all__ = ["clip_grad_norm_", "pipeline_clip_grad_norm_"]
 
 
 def clip_grad_norm_(
@@ -28,17 +31,16 @@ def clip_grad_norm_(
     """Clip gradients by their total norm, as ``torch.nn.utils.clip_grad_norm_``, over meshes.
 
     The same arguments, result and in-place scaling as torch's, for plain tensors and
-    DTensors on any meshes (FSDP2 on ``dp``, FSDP2 with TP on ``(dp, tp)``) in one call,
-    which torch's cannot combine (pytorch#180346). A plain tensor's plain gradient is this
-    rank's own, as in torch's. Every rank of the default process group calls it: the ranks
-    first agree, in one all-reduce, on what they hold. The [sharded training
-    guide][clipping-the-gradients] says what each kind of gradient counts for.
+    DTensors on any meshes in one call, which torch's cannot combine (pytorch#180346). A plain
+    tensor's plain gradient is this rank's own. Every rank of a mesh calls it: one all-reduce
+    per mesh dimension carries the norm and the checks that compare ranks;
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` adds some ([which run when][clipping-the-gradients]).
 
     Args:
         parameters: A tensor or an iterable of tensors whose gradients are clipped.
         max_norm: The largest total norm allowed.
-        norm_type: The p of the p-norm; ``inf``/``-inf`` for the largest/smallest absolute
-            value; ``0`` counts the gradients with a nonzero element, as torch's.
+        norm_type: The p of the p-norm, any float; ``inf``/``-inf`` for the largest/smallest
+            absolute value; ``0`` counts the gradients with a nonzero element, as torch's.
         error_if_nonfinite: Raise if the total norm is ``nan``, ``inf`` or ``-inf``.
         foreach: Use the foreach kernels (``None``: where the device supports them).
 
@@ -46,13 +48,14 @@ def clip_grad_norm_(
         The total norm before clipping, a plain tensor of the gradients' promoted dtype.
 
     Raises:
-        ValueError: On every rank, before any gradient changes, if the ranks of a mesh
-            disagree: a DTensor with a gradient on some ranks only, different numbers of a
-            mesh's DTensors (a rank passing none included), or a plain tensor's gradient a
-            DTensor on some ranks only. The message names the parameter or the ranks.
-        RuntimeError: On every rank, before any gradient changes, if ``norm_type`` is
-            ``inf`` or ``-inf`` and a gradient has no elements, as torch's; if
-            ``error_if_nonfinite`` is set and the norm is not finite; if ``foreach=True``
+        ValueError: On every rank of a mesh, before any gradient changes, if its ranks pass
+            different numbers of its DTensors, or a DTensor has a gradient on some ranks only
+            (told by a 48-bit digest of which have one, and under DETAIL exactly). On every
+            rank under DETAIL: a rank passing none of its mesh's DTensors (by default, a
+            hang), or a plain tensor's gradient a DTensor on some ranks only.
+        RuntimeError: As torch's, on every rank of the meshes, before any gradient
+            changes: an ``inf``, ``-inf`` or negative ``norm_type`` over a gradient without
+            elements, a norm not finite under ``error_if_nonfinite``, or ``foreach=True``
             where there are no foreach kernels.
 
     Added in version v3.59.0.
@@ -68,11 +71,112 @@ def clip_grad_norm_(
     with torch.no_grad():  # inside, not as a decorator: mutation testing reaches the body
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         groups = by_mesh(params)
-        agree(params, groups, norm_type)
-        total = total_norm(groups, norm_type, foreach)
+        if detail():
+            agree(params, groups)
+        total, empty = total_norm(groups, norm_type, foreach)
+        refuse_empty(empty, norm_type)
         check_finite(total, norm_type, error_if_nonfinite)
         clip_with_norm(groups, max_norm, total, foreach)
     return total
+
+
+def pipeline_clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    group: dist.ProcessGroup | DeviceMesh | None = None,
+    tie: PipelineTie | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of a pipeline's stages by their total norm, counting a tie once.
+
+    The total norm is the one ``torch.nn.utils.clip_grad_norm_`` gives for the whole model
+    in one process: each rank takes its stages' norm as ``toolkit.nn.clip_grad_norm_`` does,
+    without ``tie``'s duplicate copies, and the ranks combine theirs in float64 in one
+    all-reduce. Call it after ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
+
+    Args:
+        parameters: This rank's parameters (of every stage it holds), tensor or iterable.
+        max_norm: The largest total norm allowed.
+        norm_type: The p of the p-norm, as ``clip_grad_norm_``'s.
+        error_if_nonfinite: Raise if the total norm is ``nan``, ``inf`` or ``-inf``.
+            Added in version v3.59.0.
+        foreach: Use the foreach kernels (``None``: where the device supports them).
+            Added in version v3.59.0.
+        group: The process group of one pipeline (every stage, in any order), or a 1-D
+            DeviceMesh of it, such as ``mesh["pp"]``. It wins over ``tie``'s group.
+        tie: This rank's PipelineTie, whose group is the pipeline's without ``group``.
+
+    Returns:
+        The total norm before clipping, the same on every rank: float64 where the rank's
+        gradients' norm is, else float32.
+
+    Raises:
+        ValueError: If neither ``group`` nor ``tie`` is given and the default process group
+            has more than one rank; or, as ``clip_grad_norm_``, on a stage's mesh.
+        RuntimeError: On every rank of the pipeline, with no gradient changed: if
+            ``error_if_nonfinite`` is set and the norm is not finite, or an ``inf``, ``-inf``
+            or negative norm meets a gradient without elements, as torch's.
+
+    Added in version v3.58.0.
+
+    Examples:
+        On every rank of the pipeline, after the tie's reduction:
+
+        >>> from toolkit.nn import pipeline_clip_grad_norm_
+        >>> tie.reduce_grads()  # doctest: +SKIP
+        >>> norm = pipeline_clip_grad_norm_(stage.parameters(), 1.0, tie=tie)  # doctest: +SKIP
+    """
+    pipeline = _pipeline_group(group, tie)
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    skipped = {id(p) for p in tie.duplicates()} if tie is not None else set()
+    # DTensors without a gradient here too: their mesh's ranks compare how many have one.
+    counted = by_mesh(p for p in params if id(p) not in skipped)
+    has_grads = any(p.grad is not None for group in counted for p in group)
+    local, empty = total_norm(counted, norm_type, foreach)
+    total: torch.Tensor | None = local
+    if dist.get_world_size(pipeline) > 1:
+        from torch.distributed.distributed_c10d import _get_object_coll_device  # noqa: PLC0415
+
+        def reduce(payload: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
+            dist.all_reduce(payload, op=op, group=pipeline)
+
+        norm = local if has_grads else None  # a rank without gradients takes no part
+        size, device = dist.get_world_size(pipeline), _get_object_coll_device(pipeline)
+        total, empty, _ = combine(norm, has_grads, empty, [], norm_type, size, device, reduce)
+    refuse_empty(empty, norm_type)  # on every rank: the flag rode the pipeline's all-reduce
+    dtype = torch.promote_types(local.dtype, torch.float32)
+    total = torch.zeros((), dtype=dtype) if total is None else total.to(dtype)
+    check_finite(total, norm_type, error_if_nonfinite)
+    clip_with_norm(by_layout(params), max_norm, total, foreach)
+    return total
+
+
+def _pipeline_group(
+    group: dist.ProcessGroup | DeviceMesh | None, tie: PipelineTie | None
+) -> dist.ProcessGroup:
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    if group is not None:  # a DeviceMesh
+        if group.ndim != 1:
+            raise ValueError(
+                "pipeline_clip_grad_norm_ needs a 1-D DeviceMesh of the pipeline ranks, got a "
+                f'{group.ndim}-D mesh; pass the pipeline dimension, such as mesh["pp"]'
+            )
+        return group.get_group()
+    if tie is not None:
+        return tie.group
+    size = dist.get_world_size()
+    if size > 1:
+        raise ValueError(
+            "pipeline_clip_grad_norm_ needs the pipeline's process group: the default group "
+            f"has {size} ranks, which are one pipeline only without data or tensor "
+            'parallelism. Pass group=, such as group=mesh["pp"] (or group=dist.group.WORLD '
+            "when every rank is a stage of one pipeline), or the tie= built on that group"
+        )
+    return dist.group.WORLD  # type: ignore[return-value]
 
 
 def by_layout(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -106,33 +210,40 @@ def _placed(param: torch.Tensor) -> torch.Tensor | None:
     return param if _is_dtensor(param) else param.grad
 
 
-def agree(params: list[torch.Tensor], groups: list[list[torch.Tensor]], norm_type: float) -> None:
-    """Refuse, on every rank, what would hang the ranks of a mesh or what torch refuses.
+def detail() -> bool:
+    """Whether ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` asks for checks with collectives of their own."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.distributed_c10d import DebugLevel, get_debug_level  # noqa: PLC0415
 
-    Under a process group, the ranks first agree in one all-reduce (MAX)
+    return get_debug_level() == DebugLevel.DETAIL
+
+
+def agree(params: list[torch.Tensor], groups: list[list[torch.Tensor]]) -> None:
+    """Refuse, on every rank, what would leave the ranks of a mesh waiting, or mix its gradients.
+
+    Run under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. The ranks agree in one all-reduce (MAX)
     over the default group, the one group that every rank knows, even a rank that holds
-    nothing on the meshes of the others: ``2 * world_size + 2`` int32. For each rank ``r``
+    nothing on the meshes of the others: ``2 * world_size + 1`` int32. For each rank ``r``
     it carries whether other ranks hold DTensors on a mesh that holds ``r`` and whether ``r``
-    holds some, then whether some rank has a gradient without elements under an ``inf`` or
-    ``-inf`` norm, and whether some rank has a plain parameter with a DTensor gradient. Only
+    holds some, then whether some rank has a plain parameter with a DTensor gradient. Only
     then do the ranks gather the positions of those parameters, which each mesh's ranks must
     have alike (:func:`refuse_mixed`). Every rank raises the same error from what it received.
 
     Raises:
         ValueError: If a rank holds none of its meshes' DTensors while other ranks of the mesh
             hold some, or from :func:`refuse_mixed`.
-        RuntimeError: From :func:`refuse_empty`, for a gradient without elements.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return  # no DTensor can exist; torch's own norm refuses an inf one over no elements
+    if not dist.is_initialized():
+        return  # no DTensor can exist
     from torch.distributed.distributed_c10d import _get_object_coll_device  # noqa: PLC0415
 
     world, rank = dist.get_world_size(), dist.get_rank()
     # Made on the device where the default group's collectives run.
     with torch.device(_get_object_coll_device()):
-        state = torch.zeros(2 * world + 2, dtype=torch.int32)
-    parts = [world, world, 2]  # needed of each rank, held by each rank, two flags
-    needed, held, flags = torch.split(state, parts)  # views: what they take lands in ``state``
+        state = torch.zeros(2 * world + 1, dtype=torch.int32)
+    parts = [world, world, 1]  # needed of each rank, held by each rank, a flag
+    needed, held, flag = torch.split(state, parts)  # views: what they take lands in ``state``
     for group in groups:
         placed = _placed(group[0])
         if _is_dtensor(placed):
@@ -143,16 +254,14 @@ def agree(params: list[torch.Tensor], groups: list[list[torch.Tensor]], norm_typ
         for i, p in enumerate(params)
         if not _is_dtensor(p) and _is_dtensor(p.grad)
     ]
-    flags[0] = has_empty(groups, norm_type)
-    flags[1] = len(mixed)
+    flag[0] = len(mixed)
     dist.all_reduce(state, op=dist.ReduceOp.MAX)
-    needed_by, held_by, (empty, any_mixed) = (part.tolist() for part in torch.split(state, parts))
+    needed_by, held_by, (any_mixed,) = (part.tolist() for part in torch.split(state, parts))
     if any_mixed:
         refuse_mixed(mixed)
     short = [r for r in range(world) if needed_by[r] > held_by[r]]
     if short:
         raise ValueError(_ABSENT.format(ranks=short))
-    refuse_empty(bool(empty), norm_type)
 
 
 def refuse_mixed(mine: list[tuple[int, tuple[int, ...]]]) -> None:
@@ -182,20 +291,22 @@ def refuse_mixed(mine: list[tuple[int, tuple[int, ...]]]) -> None:
 
 
 def has_empty(groups: list[list[torch.Tensor]], norm_type: float) -> bool:
-    """Whether ``norm_type`` is ``inf`` or ``-inf`` and a gradient of ``groups`` has no elements.
+    """Whether a gradient of ``groups`` has no elements and ``norm_type`` refuses one.
 
-    A DTensor gradient counts by its whole tensor, which every rank of its mesh knows; an
-    empty shard of a nonempty DTensor is not one.
+    ``inf``, ``-inf`` and a negative p refuse one, as in torch: the largest or smallest
+    value, or a sum of negative powers, has no identity to start from. A DTensor gradient
+    counts by its whole tensor, which every rank of its mesh knows; an empty shard of a
+    nonempty DTensor is not one.
     """
     grads = [p.grad for group in groups for p in group]
-    return math.isinf(norm_type) and any(g is not None and not g.numel() for g in grads)
+    refused = math.isinf(norm_type) or norm_type < 0
+    return refused and any(g is not None and not g.numel() for g in grads)
 
 
 def refuse_empty(empty: bool, norm_type: float) -> None:
-    """Raise torch's refusal of an ``inf`` or ``-inf`` norm over a gradient without elements.
+    """Raise torch's refusal of an ``inf``, ``-inf`` or negative norm over no elements.
 
-    ``torch.nn.utils.get_total_norm`` refuses one, as the largest and smallest absolute
-    value of no elements are undefined; call it on every rank with the same ``empty``.
+    Call it on every rank with the same ``empty``.
 
     Raises:
         RuntimeError: If ``empty``.
@@ -206,93 +317,189 @@ def refuse_empty(empty: bool, norm_type: float) -> None:
 
 def total_norm(
     groups: list[list[torch.Tensor]], norm_type: float, foreach: bool | None
-) -> torch.Tensor:
-    """The norm of the groups' gradients as one vector, a plain tensor.
+) -> tuple[torch.Tensor, bool]:
+    """The norm of the groups' gradients as one vector, a plain tensor; and whether it is refused.
 
-    Each group's norm is reduced over its own mesh, then the groups' norms are combined.
+    Each mesh's norm is reduced over the mesh's ranks (:func:`mesh_norm`), the plain
+    gradients' norm is this rank's, and the groups' norms are combined as torch combines the
+    norms of its devices. Whether a gradient without elements makes ``norm_type`` refused
+    (:func:`has_empty`) rides every mesh's reduction, so the second value is the same on
+    every rank of the meshes. A disagreement of a mesh's ranks is raised after every mesh
+    is reduced: until then the ranks of each mesh stay in step.
+
+    Raises:
+        ValueError: From :func:`mesh_norm`.
     """
-    norms = []
+    empty = has_empty(groups, norm_type)
+    norms, problems = [], []
     for group in groups:
         if _is_dtensor(_placed(group[0])):
-            norm = mesh_norm(group, norm_type, foreach)
-            if norm is not None:
-                norms.append(norm)
-        else:
+            norm, empty, problem = mesh_norm(group, norm_type, foreach, empty)
+            norms.append(norm)
+            problems.append(problem)
+        elif not empty:  # torch's norm would raise on this rank alone
             grads = [p.grad for p in group]  # every plain tensor of the group has one
             norms.append(vector_norm(grads, norm_type, foreach))  # type: ignore[arg-type]
-    if not norms:
-        return torch.tensor(0.0)
-    device = norms[0].device
-    stacked = torch.stack([n.to(device) for n in norms])
+    for problem in problems:
+        if problem is not None:
+            raise ValueError(problem)
+    taken = [n for n in norms if n is not None]
+    if empty or not taken:
+        return torch.tensor(0.0), empty
+    device = taken[0].device
+    stacked = torch.stack([n.to(device) for n in taken])
     # The 0-"norm" counts the gradients with a nonzero element: the groups' counts add.
-    return stacked.sum() if norm_type == 0 else torch.linalg.vector_norm(stacked, norm_type)
+    total = stacked.sum() if norm_type == 0 else torch.linalg.vector_norm(stacked, norm_type)
+    return total, empty
 
 
 def mesh_norm(
-    group: list[torch.Tensor], norm_type: float, foreach: bool | None
-) -> torch.Tensor | None:
+    group: list[torch.Tensor], norm_type: float, foreach: bool | None, empty: bool
+) -> tuple[torch.Tensor | None, bool, str | None]:
     """The norm of the gradients of DTensors on one mesh, on every rank; None if none has any.
 
-    First the ranks agree on which parameters have a gradient (one all-reduce per mesh
-    dimension), and a gradient that some ranks have and others lack is refused on every rank.
-    Then each rank takes the norm of its local shards, counting each replicated shard once and
-    leaving out empty shards (which have no largest or smallest element), and the ranks'
-    parts are combined (one more all-reduce per mesh dimension).
+    Each rank takes the norm of its local shards, counting each replicated shard once and
+    leaving out empty shards, and the ranks combine theirs in one all-reduce per mesh
+    dimension (:func:`combine`), beside ``empty`` and what every rank must share: the number
+    of the mesh's DTensors it passed, the number with a gradient, and the digits of which
+    have one (:func:`presence`). The 0-"norm" counts each gradient with a nonzero element
+    over the mesh: one all-reduce more. Where the ranks differ in which have a gradient, or
+    under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, one more compares them parameter by parameter,
+    to name one.
+
+    Returns:
+        The norm, whether a rank of the mesh has a gradient without elements that
+        ``norm_type`` refuses, and the error to raise where the ranks disagree.
     """
     first = _placed(group[0])
     anchor = first.to_local()  # type: ignore[union-attr]
     mesh = first.device_mesh  # type: ignore[union-attr]
     grads = [p.grad for p in group]
-    counts = anchor.new_tensor([len(group), -len(group)], dtype=torch.int64)
-    all_reduce(mesh, counts, dist.ReduceOp.MAX)
-    if counts[0] != -counts[1]:
-        raise ValueError(_UNEQUAL)
+    held = sum(g is not None for g in grads)
+    coordinate = mesh.get_coordinate()
+    shards = [None if g is None else own_shard(g, coordinate) for g in grads]
+    mine = [s for s in shards if s is not None]
+    norm = vector_norm(mine, norm_type, foreach) if mine and norm_type != 0 else None
+    counts = [len(group), held, *presence(grads)]
+    reduce = functools.partial(all_reduce, mesh)
+    total, empty, agreed = combine(
+        norm, held > 0, empty, counts, norm_type, mesh.size(), anchor.device, reduce
+    )
+    if not agreed[0]:
+        return None, empty, _UNEQUAL  # the flags below would differ in length
+    named = detail() or not all(agreed[1:])
+    problem = gradient_on_some_ranks(group, mesh) if named else None
+    if problem is not None:  # the same on every rank of the mesh: each returns here
+        return None, empty, problem
+    if total is not None and norm_type == 0:
+        # torch's 0-"norm" counts the gradients with a nonzero element: count each over the mesh.
+        zero = anchor.new_tensor(False)
+        flags = torch.stack([zero if s is None else s.ne(0).any() for s in shards]).int()
+        all_reduce(mesh, flags, dist.ReduceOp.MAX)
+        total = flags.sum()
+    if total is None:
+        return None, empty, problem
+    # torch's norm has the gradients' dtype: a frozen parameter's does not count.
+    dtype = functools.reduce(torch.promote_types, [g.dtype for g in grads if g is not None])
+    return total.to(dtype), empty, problem
+
+
+def presence(grads: list[torch.Tensor | None]) -> list[int]:
+    """Which of ``grads`` exist: three 16-bit digits of a 48-bit digest of the pattern.
+
+    The ranks of a mesh compare the digits where they compare their counts (:func:`combine`).
+    Two ranks whose gradients exist at different positions give the same digits only where
+    BLAKE2b's digests of their patterns agree in 48 bits, 1 chance in 2 ** 48 whatever the
+    pattern (a sum weighted by positions misses rank 0 lacking 1 and 4 where rank 1 lacks 2
+    and 3; any fixed-size code misses some pattern). Each digit is below 2 ** 16: its square
+    summed over fewer than 2 ** 21 ranks is an integer below 2 ** 53, exact in float64.
+    """
+    pattern = bytes(g is not None for g in grads)
+    digest = hashlib.blake2b(pattern, digest_size=6).digest()
+    return [int.from_bytes(digest[i : i + 2], "little") for i in range(0, 6, 2)]
+
+
+def own_shard(grad: torch.Tensor, coordinate: list[int] | None) -> torch.Tensor | None:
+    """This rank's part of ``grad`` in the norm: None for a replicated copy or an empty shard.
+
+    A copy is replicated on a mesh dimension where this rank is not the first.
+    """
+    whole = replicated_partial(grad)
+    placements = whole.placements  # type: ignore[attr-defined]
+    copy = any(p.is_replicate() and coordinate[i] for i, p in enumerate(placements))  # type: ignore[index]
+    local: torch.Tensor = whole.to_local()  # type: ignore[attr-defined]
+    return None if copy or not local.numel() else local
+
+
+def gradient_on_some_ranks(group: list[torch.Tensor], mesh: DeviceMesh) -> str | None:
+    """The error for a DTensor of ``group`` with a gradient on some ranks of ``mesh`` only.
+
+    One all-reduce (MAX) per mesh dimension of two flags a parameter: whether a rank has a
+    gradient, whether a rank has none. Every rank of the mesh passes as many parameters.
+    """
+    grads = [p.grad for p in group]
+    anchor = _placed(group[0]).to_local()  # type: ignore[union-attr]
     flags = anchor.new_tensor(
-        [[int(g is not None) for g in grads], [int(g is None) for g in grads]]
+        [[int(g is not None) for g in grads], [int(g is None) for g in grads]],
+        dtype=torch.int32,
     )
     all_reduce(mesh, flags, dist.ReduceOp.MAX)
     somewhere, nowhere = flags.bool()
-    if (somewhere & nowhere).any():
-        raise ValueError(_missing(group[int((somewhere & nowhere).int().argmax())]))
-    if not somewhere.any():
-        return None
-    coordinate = mesh.get_coordinate()
-    shards = []  # this rank's part of each gradient: None for a copy or an empty shard
-    for grad in grads:
-        shard = None
-        if grad is not None:
-            whole = replicated_partial(grad)
-            # A copy: replicated on a mesh dimension where this rank is not the first.
-            copy = any(p.is_replicate() and coordinate[i] for i, p in enumerate(whole.placements))  # type: ignore[attr-defined]
-            local = whole.to_local()  # type: ignore[attr-defined]
-            shard = None if copy or not local.numel() else local
-        shards.append(shard)
-    mine = [s for s in shards if s is not None]
+    both = somewhere & nowhere
+    return _missing(group[int(both.int().argmax())]) if both.any() else None
+
+
+def combine(
+    norm: torch.Tensor | None,
+    held: bool,
+    empty: bool,
+    counts: list[int],
+    norm_type: float,
+    size: int,
+    device: torch.device | str,
+    reduce: Callable[[torch.Tensor, dist.ReduceOp.RedOpType], None],
+) -> tuple[torch.Tensor | None, bool, list[bool]]:
+    """The norm over ``size`` ranks of each rank's ``norm``, in the one all-reduce ``reduce``.
+
+    Each rank adds its part, in float64: for a p-norm the p-th power of its norm, to a SUM
+    (for the 0-"norm", a count, the count itself); for ``inf`` and ``-inf`` its norm signed as
+    ``norm_type``, to a MAX, whose absolute value is then the largest or the smallest norm. A
+    rank without a norm adds the reduction's identity, so that it takes no part (``0 ** p``
+    is infinite for a negative p). Beside the part ride whether it is nan (gloo's MAX may
+    drop one), ``held`` (whether the rank has a gradient), ``empty``, and ``counts``, which
+    must be equal on every rank: each with its negative under MAX, its square under SUM.
+    Each count is a natural number whose square times ``size`` is below ``2 ** 53``, so that
+    float64 adds them exactly.
+
+    Returns:
+        The norm (None where no rank holds a gradient), whether a rank is ``empty``, and for
+        each count whether every rank has the same.
+    """
     infinite = math.isinf(norm_type)
-    dtype = functools.reduce(torch.promote_types, [p.dtype for p in group])
-    wide = torch.promote_types(dtype, torch.float32)  # a float16 part's square overflows
-    if norm_type == 0:
-        # torch's 0-"norm" counts the gradients with a nonzero element: count each over the mesh.
-        zero = anchor.new_tensor(False)
-        values = torch.stack([zero if s is None else s.ne(0).any() for s in shards])
-    elif infinite:
-        # The largest (inf) or smallest (-inf) absolute value is the absolute value of the MAX
-        # of the parts signed as norm_type; a rank without elements takes no part. gloo's MAX
-        # may drop a nan: whether any part is nan rides beside it.
-        part = vector_norm(mine, norm_type, foreach)
-        values = (part.copysign(norm_type) if mine else part.new_tensor(-math.inf))[None]
-    else:
-        values = vector_norm(mine, norm_type, foreach).to(wide).pow(norm_type)[None]  # sums add
-    parts = anchor.new_zeros(len(values) + 1, dtype=wide)
-    parts.copy_(torch.cat([values, values.isnan().any()[None]]))
-    all_reduce(mesh, parts, dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM)
-    if norm_type == 0:
-        norm = (parts[:-1] > 0).sum()  # a count, given the gradients' dtype below
-    elif infinite:
-        norm = parts[0].abs()
-    else:
-        norm = parts[0].pow(1.0 / norm_type)
-    return torch.where(parts[-1] > 0, math.nan, norm).to(dtype)
+    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    with torch.device(device):
+        part = torch.tensor(-math.inf if infinite else 0.0, dtype=torch.float64)
+        if norm is not None:
+            part = norm.to(part).copysign(norm_type) if infinite else norm.to(part)
+            part = part.pow(norm_type) if not infinite and norm_type != 0 else part
+        checks = torch.tensor(counts, dtype=torch.float64)
+        spread = -checks if infinite else checks.square()
+        flags = torch.stack([part.isnan(), torch.tensor(held), torch.tensor(empty)])
+        payload = torch.cat([part[None], flags.to(part), checks, spread])
+    reduce(payload, op)
+    part, nan, held_by, empty_by = payload[:4]
+    firsts, seconds = (half.tolist() for half in payload[4:].tensor_split(2))
+    # The largest equals the smallest; under SUM, size * sum(x ** 2) == sum(x) ** 2, which
+    # holds only where every x is the same. Both sides are compared as Python integers: the
+    # sums are exact in float64 (the integers are below 2 ** 53), their squares may not be.
+    agreed = [
+        x == -y if infinite else int(x) ** 2 == size * int(y)
+        for x, y in zip(firsts, seconds, strict=True)
+    ]
+    if not held_by:
+        return None, bool(empty_by), agreed
+    total = part.abs() if infinite else part if norm_type == 0 else part.pow(1.0 / norm_type)
+    return torch.where(nan > 0, math.nan, total), bool(empty_by), agreed
 
 
 def vector_norm(
@@ -349,14 +556,15 @@ _ABSENT = (
 
 _EMPTY = (
     "clip_grad_norm_: the {norm_type} norm of a gradient without elements is undefined "
-    "(there is no largest or smallest value to take), and torch.nn.utils.clip_grad_norm_ "
-    "refuses it too. Leave the parameter out or set its grad to None, or clip with a "
-    "p-norm such as norm_type=2.0"
+    "(there is no largest or smallest value to take, nor a negative power to add), and "
+    "torch.nn.utils.clip_grad_norm_ refuses it too. Leave the parameter out or set its grad "
+    "to None, or clip with a positive p-norm such as norm_type=2.0"
 )
 
 _UNEQUAL = (
     "clip_grad_norm_: the ranks of a device mesh passed different numbers of DTensor "
-    "parameters on it. Pass the same parameters on every rank, such as model.parameters(), "
+    "parameters on it (a plain parameter with a DTensor gradient counts on its gradient's "
+    "mesh). Pass the same parameters on every rank, such as model.parameters(), "
     "not a list filtered by p.grad is not None"
 )
 

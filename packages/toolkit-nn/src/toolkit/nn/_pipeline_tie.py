@@ -13,22 +13,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from toolkit.nn._clip_grad import (
-    by_layout,
-    by_mesh,
-    check_finite,
-    clip_with_norm,
-    has_empty,
-    refuse_empty,
-    total_norm,
-)
 from toolkit.nn._common import _describe, _gather_objects, _is_dtensor
 from toolkit.nn._tied_linear import TiedLinear
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["PipelineTie", "pipeline_clip_grad_norm_"]
+__all__ = ["PipelineTie"]
 
 
 class PipelineTie:
@@ -410,112 +401,6 @@ class PipelineTie:
             f"PipelineTie(names={list(self.names)}, copies_on_this_rank={{{copies}}}, "
             f"group_size={dist.get_world_size(self.group)})"
         )
-
-
-def pipeline_clip_grad_norm_(
-    parameters: torch.Tensor | Iterable[torch.Tensor],
-    max_norm: float,
-    norm_type: float = 2.0,
-    error_if_nonfinite: bool = False,
-    foreach: bool | None = None,
-    *,
-    group: dist.ProcessGroup | DeviceMesh | None = None,
-    tie: PipelineTie | None = None,
-) -> torch.Tensor:
-    """Clip the gradients of a pipeline's stages by their total norm, counting a tie once.
-
-    The total norm is the one ``torch.nn.utils.clip_grad_norm_`` gives for the whole model
-    in one process: each rank takes its stages' norm as ``toolkit.nn.clip_grad_norm_`` does,
-    without ``tie``'s duplicate copies, and the ranks combine theirs in float64. Call it
-    after ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
-
-    Args:
-        parameters: This rank's parameters (of every stage it holds), tensor or iterable.
-        max_norm: The largest total norm allowed.
-        norm_type: The p of the p-norm; ``inf``/``-inf`` for the largest/smallest value.
-        error_if_nonfinite: Raise if the total norm is ``nan``, ``inf`` or ``-inf``.
-            Added in version v3.59.0.
-        foreach: Use the foreach kernels (``None``: where the device supports them).
-            Added in version v3.59.0.
-        group: The process group of one pipeline (every stage, in any order), or a 1-D
-            DeviceMesh of it, such as ``mesh["pp"]``. It wins over ``tie``'s group.
-        tie: This rank's PipelineTie, whose group is the pipeline's without ``group``.
-
-    Returns:
-        The total norm before clipping, the same on every rank: float64 where the rank's
-        gradients' norm is, else float32.
-
-    Raises:
-        ValueError: If neither ``group`` nor ``tie`` is given and the default process group
-            has more than one rank; or, as ``clip_grad_norm_``, for a DTensor with a
-            gradient on some ranks only.
-        RuntimeError: On every rank of the pipeline, with no gradient changed: if
-            ``error_if_nonfinite`` is set and the norm is not finite, or an ``inf`` or
-            ``-inf`` norm meets a gradient without elements, as torch's.
-
-    Added in version v3.58.0.
-
-    Examples:
-        On every rank of the pipeline, after the tie's reduction:
-
-        >>> from toolkit.nn import pipeline_clip_grad_norm_
-        >>> tie.reduce_grads()  # doctest: +SKIP
-        >>> norm = pipeline_clip_grad_norm_(stage.parameters(), 1.0, tie=tie)  # doctest: +SKIP
-    """
-    pipeline = _pipeline_group(group, tie)
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    skipped = {id(p) for p in tie.duplicates()} if tie is not None else set()
-    # DTensors without a gradient here too: their mesh's ranks agree on which have one.
-    counted = by_mesh(p for p in params if id(p) not in skipped)
-    has_grads = any(p.grad is not None for group in counted for p in group)
-    # An inf or -inf norm over a gradient without elements is refused, as torch refuses it,
-    # on every rank: a stage's data-parallel replicas hold the same parameters, and skip alike.
-    empty = has_empty(counted, norm_type)
-    local = torch.zeros(()) if empty else total_norm(counted, norm_type, foreach)
-    # float64 on every rank, whatever each rank's gradients are: the ranks must agree on it.
-    total = local.to(torch.float64)
-    if dist.get_world_size(pipeline) == 1:
-        refuse_empty(empty, norm_type)  # one rank holds the whole pipeline: its norm is the total
-    elif math.isinf(norm_type):
-        # The largest (inf) or smallest (-inf) of the ranks' norms, which are never negative,
-        # is the absolute value of the MAX of the norms signed as norm_type; a rank without
-        # gradients takes no part, and no gradient anywhere gives 0, as in torch. gloo's MAX
-        # may drop a nan: whether any rank's norm is nan rides beside it.
-        signed = total.copysign(norm_type) if has_grads else total.new_tensor(-math.inf)
-        flags = total.new_tensor([float(has_grads), float(empty)])
-        both = torch.cat([torch.stack([signed, total.isnan()]), flags])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pipeline)
-        refuse_empty(bool(both[3] > 0), norm_type)
-        total = torch.where(both[2] > 0, both[0].abs(), 0.0)
-        total = torch.where(both[1] > 0, math.nan, total)
-    elif norm_type == 0:
-        dist.all_reduce(total, group=pipeline)  # the ranks' counts of nonzero elements add
-    else:
-        total.pow_(norm_type)
-        dist.all_reduce(total, group=pipeline)
-        total.pow_(1.0 / norm_type)
-    total = total.to(torch.promote_types(local.dtype, torch.float32))
-    check_finite(total, norm_type, error_if_nonfinite)
-    clip_with_norm(by_layout(params), max_norm, total, foreach)
-    return total
-
-
-def _pipeline_group(
-    group: dist.ProcessGroup | DeviceMesh | None, tie: PipelineTie | None
-) -> dist.ProcessGroup:
-    if group is not None:
-        return _process_group(group)
-    if tie is not None:
-        return tie.group
-    size = dist.get_world_size()
-    if size > 1:
-        raise ValueError(
-            "pipeline_clip_grad_norm_ needs the pipeline's process group: the default group "
-            f"has {size} ranks, which are one pipeline only without data or tensor "
-            'parallelism. Pass group=, such as group=mesh["pp"] (or group=dist.group.WORLD '
-            "when every rank is a stage of one pipeline), or the tie= built on that group"
-        )
-    return dist.group.WORLD  # type: ignore[return-value]
 
 
 def _after_unshard(tie: weakref.ref[PipelineTie], module: nn.Module, args: object) -> None:
