@@ -237,9 +237,11 @@ def train_step(run: dict[str, Any], idx: torch.Tensor, targets: torch.Tensor) ->
     else:
         run["schedule"].step(target=targets[rows], losses=losses)
     if tie is not None:
-        tie.reduce_grads()  # one all_reduce of the local shards over pp
+        tie.reduce_grads()  # one all_reduce over pp: the local shards, into stage 0's copy
     norm = pipeline_clip_grad_norm_(stage.parameters(), MAX_NORM, group=mesh["pp"], tie=tie)
     run["opt"].step()
+    if tie is not None:
+        tie.broadcast()  # stage 0's stepped copy to stage 1's, which holds no gradient
     run["opt"].zero_grad()
     return {"losses": [_full(loss).item() for loss in losses], "norm": norm.item()}
 
