@@ -607,3 +607,26 @@ def test_tied_modules_nested_in_the_stages_are_summed_as_one_weight() -> None:
     assert names == ("trunk.emb",)
     assert torch.equal(first, grads[0] + grads[1])  # type: ignore[arg-type]
     assert last is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_copies_one_bit_apart_on_two_ranks_are_refused_on_every_rank(dtype: torch.dtype) -> None:
+    # The checksums ride the all_reduce in the gradients' dtype: 8 bytes a copy, each exact.
+    stages = [stage.to(dtype) for stage in stages_of(0, 3)]
+
+    def rank_main(rank: int) -> list[str]:
+        stage = copy.deepcopy(stages[rank])
+        tie = PipelineTie(stage)
+        tie.reduce_grads()  # equal: nothing to say
+        if rank == 2:
+            bits = stage.emb.weight.data.view(torch.int16 if dtype.itemsize == 2 else torch.int32)
+            bits[16, 7] += 1  # the next value of the last element
+        with pytest.raises(RuntimeError) as info:
+            tie.reduce_grads()
+        tie.broadcast()
+        tie.reduce_grads()  # as it says: broadcast, and the copies are one again
+        return [str(info.value)]
+
+    messages = run_threads(3, rank_main)
+    assert messages == [messages[0]] * 3
+    assert "'emb.weight' unequal" in messages[0][0]

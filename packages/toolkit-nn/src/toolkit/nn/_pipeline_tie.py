@@ -508,18 +508,15 @@ def _replaced(path: list[nn.Module], param: nn.Parameter) -> bool:
     return not _is_dtensor(param) if _sharded(path) else path[-1].weight is not param
 
 
-# The integer type of each element size: the sum of a tensor's bits is its checksum.
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of ``tensor``'s bits as 8 bytes, each exact in any floating dtype's all_reduce.
+    """The sum of ``tensor``'s bytes as int64 words, in 8 bytes: exact in any dtype's sum.
 
-    ``broadcast()`` makes the copies bit for bit equal; any step of one copy changes its sum.
+    ``broadcast()`` makes the copies equal bit for bit; a step of one changes its checksum.
     """
-    bits = tensor.detach().contiguous().view(_BITS[tensor.element_size()])
-    shifts = torch.arange(0, 64, 8, device=tensor.device)
-    return (bits.sum(dtype=torch.int64) >> shifts) & 255
+    data = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    whole = len(data) - len(data) % 8
+    total = data[:whole].view(torch.int64).sum() + data[whole:].sum(dtype=torch.int64)
+    return (total >> torch.arange(0, 64, 8, device=tensor.device)) & 255
 
 
 def _weight(module: nn.Module) -> nn.Parameter:
