@@ -49,12 +49,11 @@ class PipelineTie:
             ``mesh["pp"]``. Default: the default process group.
 
     Raises:
-        ValueError: On every rank of ``group``, if a stage's TiedLinear reads a module not
-            registered in that stage, no TiedLinear is found, the copies differ in shape,
-            dtype or local shard shape, two stages of a rank share one weight object, a tied
-            module has parameters besides its weight, a copy under ``fully_shard`` is
-            unsharded, two ranks hold the same stages (the default group under data
-            parallelism: pass the pipeline's group). On a rank outside ``group``, saying so.
+        ValueError: On every rank of ``group``, naming the fix, if a TiedLinear reads a
+            module not registered in its stage, there is none, the copies differ in shape,
+            dtype or local shard, two stages share one weight, a tied module has other
+            parameters, a copy under ``fully_shard`` is unsharded, or two ranks hold the
+            same stages. On a rank outside ``group``, saying so.
 
     Added in version v3.58.0.
 
@@ -141,13 +140,12 @@ class PipelineTie:
         return tensor
 
     def broadcast(self) -> None:
-        """Make every copy equal to the first copy of the first group rank holding one.
+        """Make every copy equal to the first: on every rank, after each ``optimizer.step()``.
 
-        Call it on every rank after each ``optimizer.step()`` (a loss scaler's skipped step
-        too), which steps the first copy only, and after any load other than with DCP. It
-        makes one ``broadcast`` per tied weight that several ranks hold (its local shard under
-        FSDP2). A copy but the first holding a gradient now had a backward after
-        ``reduce_grads()``, which the step missed: the next ``reduce_grads()`` says so.
+        Also after a loss scaler's skipped step, and after any load other than with DCP. One
+        ``broadcast`` per tied weight that several ranks hold (its local shard under FSDP2).
+        A copy but the first holding a gradient here had a backward after ``reduce_grads()``,
+        which the step missed: the next ``reduce_grads()`` says so.
         """
         self._late = any(p.grad is not None for p in self.duplicates())
         self._broadcast()
@@ -163,21 +161,18 @@ class PipelineTie:
     def reduce_grads(self) -> None:
         """Move every copy's gradient into the first copy, which then holds their sum.
 
-        Call it on every rank of the group after the schedule's ``step`` (and its
-        data-parallel reduction), before unscaling, clipping and ``optimizer.step()``; call
-        ``broadcast()`` after the step. The copies but the first are left with ``None``, so
-        it may be called after each schedule step that accumulates, once, or twice: what it
-        moved is not moved again. A tied weight without any gradient keeps ``None``. It makes
-        one ``all_reduce`` over the group (none when one rank holds every copy), of the
-        gradients' local shards and a few elements that check the copies equal.
+        Call it on every rank after the schedule's ``step``, before unscaling, clipping and
+        ``optimizer.step()``. The other copies are left with ``None``: it may be called after
+        each schedule step that accumulates, once, or twice, and moves nothing twice. A tied
+        weight without a gradient keeps ``None``. One ``all_reduce`` over the group (none when
+        one rank holds every copy): the gradients' local shards and a check of the copies.
 
         Raises:
             ValueError: On every rank, if a copy's Parameter was replaced since set-up (by
                 ``fully_shard`` after it, say), or a tied weight is frozen in some copies only.
-            RuntimeError: On every rank, if the copies differ (no ``broadcast()`` after the
-                last step or load), or a copy but the first held a gradient at the last
-                ``broadcast()``. Nothing is changed; where one rank holds every copy, it
-                alone raises.
+            RuntimeError: On every rank, if the copies differ (no ``broadcast()`` after a
+                step or load), or a copy but the first held a gradient at ``broadcast()``.
+            Nothing is changed; where one rank holds every copy, it alone raises.
         """
         with torch.no_grad():
             sizes = [math.prod(self._layouts[name].local_shape) for name in self._shared]
@@ -238,34 +233,29 @@ class PipelineTie:
         replaced, late = problems
         if replaced:
             raise ValueError(
-                "PipelineTie.reduce_grads() found a tied copy whose Parameter is not the one "
-                "the tie was built with: its stage was sharded (by fully_shard, say) or its "
-                "weight replaced after set-up. Build the PipelineTie after wrapping the stages"
+                "PipelineTie.reduce_grads() found a tied copy whose Parameter is not the one the "
+                "tie was built with (fully_shard after it, say); build it after wrapping the stages"
             )
         for name, both, differs in zip(self.names, mixed, differ, strict=True):
             if both:
                 raise ValueError(
-                    f"PipelineTie.reduce_grads() found copies of the tied weight "
-                    f"'{name}.weight' that are frozen (requires_grad=False) beside copies "
-                    "that train; in one model the tied weight is one Parameter, frozen or "
-                    "trained as a whole. Freeze or unfreeze it in every stage alike, with "
-                    f"stage.get_submodule('{name}').weight.requires_grad_(...) on each"
+                    f"PipelineTie.reduce_grads() found copies of the tied weight '{name}.weight' "
+                    "frozen beside copies that train; one Parameter in one model, it is frozen "
+                    f"or not: call stage.get_submodule('{name}').weight.requires_grad_(...) on "
+                    "every stage alike"
                 )
             if differs:
                 raise RuntimeError(
-                    f"PipelineTie.reduce_grads() found the copies of the tied weight "
-                    f"'{name}.weight' unequal: the optimizer steps the first copy only. Call "
-                    "tie.broadcast() after every optimizer.step() and after any load other "
-                    "than with DCP; this step's forward read an old copy, so zero the "
-                    "gradients, call tie.broadcast() and redo the step"
+                    f"PipelineTie.reduce_grads() found the copies of '{name}.weight' unequal: "
+                    "call tie.broadcast() after every optimizer.step() and non-DCP load; this "
+                    "step read an old copy, so zero the gradients, broadcast and redo it"
                 )
         if late:
             self._late = False  # told once: the step redone is right
             raise RuntimeError(
-                "PipelineTie.reduce_grads() found that a tied copy other than the first held a "
-                "gradient at the last tie.broadcast(): a backward ran after reduce_grads() and "
-                "before the optimizer step, which missed its part. Call reduce_grads() after "
-                "the last backward before each optimizer step, and redo that step"
+                "PipelineTie.reduce_grads() found that a backward ran after reduce_grads() and "
+                "before the optimizer step, which missed its part of the tied gradient; call "
+                "reduce_grads() after the last backward, and redo that step"
             )
 
     def duplicates(self) -> Iterator[nn.Parameter]:
@@ -274,14 +264,11 @@ class PipelineTie:
             yield from params[1:] if self._rank == self._first(name) else params
 
     def check(self) -> None:
-        """Verify that every copy equals the first stage's, or name the first difference.
-
-        Each rank compares its copies (its local shards under FSDP2) with the first copy of
-        the first group rank holding one, broadcast to it; every rank raises the same error.
+        """Verify that every copy (its local shard) equals the first, on every rank.
 
         Raises:
-            RuntimeError: If a copy differs, naming the tied module, the group rank, the
-                copy, the first differing element and both values.
+            RuntimeError: On every rank, if a copy differs, naming the tied module, the
+                group rank, the copy, the first differing element and both values.
         """
         found: list[str] = []
         with torch.no_grad():
