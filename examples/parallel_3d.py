@@ -7,8 +7,9 @@ each stage sharded by FSDP2 over two data-parallel replicas and by tensor parall
 two ranks. Stage 0 looks the tokens up in the embedding; stage 1 holds the per-task adapters
 and the head, a ``TiedLinear`` reading its own copy of the embedding, which tensor
 parallelism shards on the vocabulary; the loss is the head's ``cross_entropy``, on each
-rank's part of the vocabulary. ``PipelineTie`` sums the two copies' gradients and
-``pipeline_clip_grad_norm_`` clips across all the meshes, counting the tied weight once.
+rank's part of the vocabulary. ``PipelineTie`` moves the two copies' gradients into stage
+0's copy, ``pipeline_clip_grad_norm_`` clips across all the meshes, counting the tied weight
+once, and the tie broadcasts stage 0's copy after the optimizer step.
 
 The model is trained twice, with two tensor-parallel plans (``--plan tp``, ``sp`` or
 ``both``, the default): the tensor-parallel guide's, where the norms and the adapters stay

@@ -221,8 +221,7 @@ def test_a_copy_replaced_after_the_tie_was_built_is_refused_on_every_rank() -> N
 
     message = (  # the one whole-message check of this error
         "PipelineTie.reduce_grads() found a tied copy whose Parameter is not the one the tie was "
-        "built with: its stage was sharded (by fully_shard, say) or its weight replaced after "
-        "set-up. Build the PipelineTie after wrapping the stages"
+        "built with (fully_shard after it, say); build it after wrapping the stages"
     )
     assert run_threads(3, rank_main) == [(message, True)] * 3
 
@@ -244,10 +243,9 @@ def test_a_copy_frozen_on_one_stage_is_refused_on_every_rank_and_nothing_changes
         return str(info.value), kept and (rank != 2 or stage.emb.weight.grad is None)
 
     message = (  # the one whole-message check of this error
-        "PipelineTie.reduce_grads() found copies of the tied weight 'emb.weight' that are "
-        "frozen (requires_grad=False) beside copies that train; in one model the tied weight "
-        "is one Parameter, frozen or trained as a whole. Freeze or unfreeze it in every stage "
-        "alike, with stage.get_submodule('emb').weight.requires_grad_(...) on each"
+        "PipelineTie.reduce_grads() found copies of the tied weight 'emb.weight' frozen beside "
+        "copies that train; one Parameter in one model, it is frozen or not: call "
+        "stage.get_submodule('emb').weight.requires_grad_(...) on every stage alike"
     )
     assert run_threads(3, rank_main) == [(message, True)] * 3
 

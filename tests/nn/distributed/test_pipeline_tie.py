@@ -304,6 +304,14 @@ CASES = [
         frozen=True,
     ),
     Case("ddp-sgd-gpipe-clip", 4, dp="ddp", schedule="gpipe", clip=True),
+    Case(  # a gradient moved before DDP's sync is averaged with the first copy's at the sync
+        "ddp-no-sync-sgd-loop-accumulate-each",
+        4,
+        dp="ddp",
+        schedule="loop",
+        sync_last_only=True,
+        accumulation=2,
+    ),
     Case(
         "ddp-adam-1f1b-unscaled-accumulate-twice",
         4,
@@ -337,10 +345,9 @@ CASES = [
         frozen=True,
     ),
     Case(
-        "pp3-compiled-stage-adamw_fused-loop-twice",
+        "pp3-adamw_fused-loop-twice",
         3,
         pp=3,
-        compiled="stage",
         schedule="loop",
         optimizer="adamw_fused",
         set_to_none=False,

@@ -274,13 +274,22 @@ class PipelineTie:
         with torch.no_grad():
             for name in self.names:
                 weights = [_local(p) for p in self._params[name]]
-                reference = self._source(name, weights[0].clone() if weights else None)
+                first = self._source(name, weights[0].clone() if weights else None)
+                if first is None:  # no copy here, nor shared: nothing to compare
+                    continue
                 for index, copy in enumerate(weights):
-                    assert reference is not None  # weights[0] or its broadcast
-                    found += _difference(
-                        name, (self._rank, self._first(name)), index, copy, reference
-                    )
-        for problems in _gather_objects(found[:1], self.group):
+                    differs = (copy != first).nonzero()
+                    if len(differs) and not found:
+                        at = tuple(differs[0].tolist())
+                        found.append(
+                            f"the copies of the tied weight '{name}.weight' differ: copy {index} "
+                            f"on group rank {self._rank} has {copy[at].item()!r} at index {at}, "
+                            f"where the first copy on group rank {self._first(name)} has "
+                            f"{first[at].item()!r} ({len(differs)} of {copy.numel()} elements "
+                            "differ). Call PipelineTie.broadcast() after every optimizer step and "
+                            "after loading a state dict other than with DCP"
+                        )
+        for problems in _gather_objects(found, self.group):
             if problems:
                 raise RuntimeError(problems[0])
 
@@ -526,23 +535,6 @@ def _like(weight: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
     mesh, placements = weight.device_mesh, weight.placements  # type: ignore[attr-defined]
     return DTensor.from_local(local, mesh, placements, shape=weight.shape, stride=weight.stride())
-
-
-def _difference(
-    name: str, ranks: tuple[int, int], index: int, copy: torch.Tensor, reference: torch.Tensor
-) -> list[str]:
-    """Where copy ``index`` on group rank ``ranks[0]`` first differs from ``reference``."""
-    differs = (copy != reference).nonzero()
-    if len(differs) == 0:
-        return []
-    at, (rank, source) = tuple(int(i) for i in differs[0]), ranks
-    return [
-        f"the copies of the tied weight '{name}.weight' differ: copy {index} on group rank "
-        f"{rank} has {copy[at].item()!r} at index {at}, where the first copy on group rank "
-        f"{source} has {reference[at].item()!r} ({len(differs)} of {copy.numel()} elements "
-        "differ). Call PipelineTie.broadcast() after every optimizer step and after loading a "
-        "state dict other than with DCP"
-    ]
 
 
 def pipeline_clip_grad_norm_(
