@@ -3,10 +3,11 @@
 A tied model of two stages is trained for a few steps on two gloo ranks, started by torch's
 elastic launcher as ``torchrun`` starts them (its rendezvous store on a port the system picks),
 and in this process with both stages on one rank (a looped schedule). Each rank counts,
-with ``CommDebugMode``, the collectives that ``PipelineTie.reduce_grads`` and
-``pipeline_clip_grad_norm_`` issue per step, and compares the bytes of the tie's all-reduce
-with those the schedule sends between the stages. Counts do not depend on the machine, so
-they are exact, not timed.
+with ``CommDebugMode``, the collectives that ``PipelineTie.reduce_grads``,
+``pipeline_clip_grad_norm_`` and ``PipelineTie.broadcast`` issue per step, by default and
+with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, and compares the bytes of the tie's all-reduce with
+those the schedule sends between the stages. Counts do not depend on the machine, so they
+are exact, not timed.
 
 Run it with ``python benchmarks/pipeline.py`` (``--quick`` for fewer steps) where toolkit-nn
 is installed.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -97,11 +99,10 @@ def _train(
         with _comm() as clip:
             pipeline_clip_grad_norm_(params, 1.0, tie=tie)
         opt.step()
+        with _comm() as broadcast:
+            tie.broadcast()
         out.append(
-            {
-                "tie": _counts(tie_comm),
-                "clip": _counts(clip),
-            }
+            {"tie": _counts(tie_comm), "clip": _counts(clip), "broadcast": _counts(broadcast)}
         )
     tie.check()
     return out
@@ -171,6 +172,11 @@ def run(quick: bool) -> dict[str, object]:
     steps = 2 if quick else 4
     looped = one_rank(steps)
     ranks = two_ranks(steps)
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # for the ranks launched next
+    try:
+        detail = two_ranks(steps)
+    finally:
+        del os.environ["TORCH_DISTRIBUTED_DEBUG"]
     tied_bytes = VOCAB * DIM * 4
     activation_bytes = 2 * BATCH * SEQ * DIM * 4  # forward and backward, every microbatch
     result: dict[str, object] = {
@@ -178,21 +184,26 @@ def run(quick: bool) -> dict[str, object]:
         "tied_gradient_bytes": tied_bytes,
         "activation_bytes": activation_bytes,
         "two_ranks": {str(r): counts[-1] for r, counts in ranks.items()},
+        "two_ranks_detail": {str(r): counts[-1] for r, counts in detail.items()},
         "one_rank_looped": looped[-1],
         "tie_counts_equal_every_step": all(
-            c["tie"] == counts[0]["tie"] for counts in [*ranks.values(), looped] for c in counts
+            c["tie"] == counts[0]["tie"]
+            for counts in [*ranks.values(), *detail.values(), looped]
+            for c in counts
         ),
     }
     print(f"PipelineTie, per training step ({steps} steps, {MICROBATCHES} microbatches):")
-    for rank, counts in ranks.items():
-        last = counts[-1]
-        print(
-            f"  2 ranks, stage {rank}: reduce_grads {last['tie'] or 'none'}, "
-            f"clipping {last['clip'] or 'none'}"
-        )
+    for what, launch in (("", ranks), (" under DETAIL", detail)):
+        for rank, counts in launch.items():
+            last = counts[-1]
+            print(
+                f"  2 ranks{what}, stage {rank}: reduce_grads {last['tie'] or 'none'}, "
+                f"clipping {last['clip'] or 'none'}, broadcast {last['broadcast'] or 'none'}"
+            )
+    last = looped[-1]
     print(
-        f"  1 rank holding both stages: reduce_grads {looped[-1]['tie'] or 'none'}, "
-        f"clipping {looped[-1]['clip'] or 'none'}"
+        f"  1 rank holding both stages: reduce_grads {last['tie'] or 'none'}, "
+        f"clipping {last['clip'] or 'none'}, broadcast {last['broadcast'] or 'none'}"
     )
     print(
         f"  the tie's all_reduce carries the tied gradient, {tied_bytes} bytes; the schedule "

@@ -7,8 +7,9 @@ each stage sharded by FSDP2 over two data-parallel replicas and by tensor parall
 two ranks. Stage 0 looks the tokens up in the embedding; stage 1 holds the per-task adapters
 and the head, a ``TiedLinear`` reading its own copy of the embedding, which tensor
 parallelism shards on the vocabulary; the loss is the head's ``cross_entropy``, on each
-rank's part of the vocabulary. ``PipelineTie`` sums the two copies' gradients and
-``pipeline_clip_grad_norm_`` clips across all the meshes, counting the tied weight once.
+rank's part of the vocabulary. ``PipelineTie`` moves the two copies' gradients into stage
+0's copy, ``pipeline_clip_grad_norm_`` clips across all the meshes, counting the tied weight
+once, and the tie broadcasts stage 0's copy after the optimizer step.
 
 The model is trained twice, with two tensor-parallel plans (``--plan tp``, ``sp`` or
 ``both``, the default): the tensor-parallel guide's, where the norms and the adapters stay
@@ -237,9 +238,11 @@ def train_step(run: dict[str, Any], idx: torch.Tensor, targets: torch.Tensor) ->
     else:
         run["schedule"].step(target=targets[rows], losses=losses)
     if tie is not None:
-        tie.reduce_grads()  # one all_reduce of the local shards over pp
+        tie.reduce_grads()  # one all_reduce over pp: the local shards, into stage 0's copy
     norm = pipeline_clip_grad_norm_(stage.parameters(), MAX_NORM, group=mesh["pp"], tie=tie)
     run["opt"].step()
+    if tie is not None:
+        tie.broadcast()  # stage 0's stepped copy to stage 1's, which holds no gradient
     run["opt"].zero_grad()
     return {"losses": [_full(loss).item() for loss in losses], "norm": norm.item()}
 

@@ -252,9 +252,10 @@ def train_step(
     elif run["last"]:
         run["schedule"].step(target=labels[part], return_outputs=False, **kwargs)
     if reduce:
-        run["tie"].reduce_grads()  # sums the two copies' gradients, on every rank
+        run["tie"].reduce_grads()  # moves the two copies' gradients into stage 0's, on every rank
     norm = pipeline_clip_grad_norm_(stage.parameters(), max_norm=1.0, tie=run["tie"])
     optimizer.step()
+    run["tie"].broadcast()  # stage 0's stepped copy to the last stage's
     return {"norm": norm.item(), "losses": [loss.item() for loss in losses]}
 
 

@@ -129,7 +129,7 @@ def test_a_resume_from_the_step_2_checkpoint_reproduces_step_3(
 
 
 @pytest.mark.parametrize("plan", PLANS)
-def test_the_tie_adds_one_all_reduce_of_its_local_shard_and_nothing_else(
+def test_the_tie_adds_one_all_reduce_and_one_broadcast_of_its_local_shard_and_nothing_else(
     plan: str, ranks: list[dict[str, Any]]
 ) -> None:
     shards = set()
@@ -138,13 +138,14 @@ def test_the_tie_adds_one_all_reduce_of_its_local_shard_and_nothing_else(
         tied, untied = dict(run["counts"]["tied"]), dict(run["counts"]["untied"])
         tied_sizes, untied_sizes = tied.pop("all_reduce_sizes"), untied.pop("all_reduce_sizes")
         assert tied.pop("c10d.allreduce_") == untied.pop("c10d.allreduce_") + 1
+        assert tied.pop("c10d.broadcast_") == untied.pop("c10d.broadcast_", 0) + 1
         assert tied == untied
         added = Counter(tied_sizes)
         added.subtract(untied_sizes)
-        # The local shard of the gradient, a counter (whether any copy had a gradient), two
-        # counters (copies frozen, copies that train) and two flags (a gradient the tie could not
-        # clear the sum from first; a shard of another shape).
-        added[run["shard"] + 5] -= 1
+        # The local shard of the gradient, three counters (copies with a gradient, frozen, that
+        # train), the two copies' checksums (8 elements each) and two flags (a copy replaced
+        # since set-up; a gradient on stage 1's copy at the last broadcast).
+        added[run["shard"] + 21] -= 1
         # On a stage with a copy, the clip leaves the duplicate out: its agreement on which
         # DTensors have a gradient (two flags a parameter, one all-reduce per dimension of
         # the mesh) is one parameter shorter.
