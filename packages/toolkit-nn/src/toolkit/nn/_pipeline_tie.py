@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -526,4 +526,3 @@ def _like(weight: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
     mesh, placements = weight.device_mesh, weight.placements  # type: ignore[attr-defined]
     return DTensor.from_local(local, mesh, placements, shape=weight.shape, stride=weight.stride())
-
