@@ -151,7 +151,7 @@ def pipeline_clip_grad_norm_(
         norm = local if has_grads else None  # a rank without gradients takes no part
         size, device = dist.get_world_size(pipeline), _get_object_coll_device(pipeline)
         # Whether this rank's meshes refused rides too, so that every rank raises.
-        refused = [problem is not None]
+        refused = [int(problem is not None)]
         total, empty, agreed = combine(
             norm, has_grads, empty, refused, norm_type, size, device, reduce
         )
