@@ -117,9 +117,8 @@ def pipeline_clip_grad_norm_(
 
     Raises:
         ValueError: If neither ``group`` nor ``tie`` is given and the default process group
-            has more than one rank; or, on every rank of the pipeline with no gradient
-            changed, if a stage's mesh refuses its gradients as ``clip_grad_norm_`` does (the
-            stage's ranks say why).
+            has more than one rank; on every rank, if a stage's mesh refuses as
+            ``clip_grad_norm_`` (that stage's ranks say why).
         RuntimeError: On every rank of the pipeline, with no gradient changed: if
             ``error_if_nonfinite`` is set and the norm is not finite, or an ``inf``, ``-inf``
             or negative norm meets a gradient without elements, as torch's.
