@@ -555,6 +555,26 @@ def test_pipeline_clipping_of_a_dtensor_gradient_on_some_replicas_only_is_refuse
         torch.testing.assert_close(grad, torch.tensor([3.0, 4.0]))
 
 
+def test_pipeline_clipping_refused_on_one_stages_mesh_is_refused_on_every_stage() -> None:
+    # Stage 0 (ranks 0, 1) refuses its gradients on its dp mesh; stage 1 (ranks 2, 3) holds
+    # nothing wrong, and would wait for stage 0 in the pipeline's all-reduce.
+    def rank_main(rank: int) -> tuple[str, torch.Tensor | None]:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        weight = nn.Parameter(DTensor.from_local(torch.zeros(2), mesh["dp"], [Shard(0)]))
+        if rank != 0:  # rank 0 lacks the gradient its dp rank holds
+            weight.grad = DTensor.from_local(torch.ones(2), mesh["dp"], [Shard(0)])
+        with pytest.raises(ValueError, match=r"^clip_grad_norm_|^pipeline_clip_grad_norm_") as info:
+            pipeline_clip_grad_norm_([weight], 1e-3, group=mesh["pp"])
+        return str(info.value), None if weight.grad is None else weight.grad.to_local()
+
+    results = run_threads(4, rank_main)
+    assert results[0][0] == results[1][0] != results[2][0] == results[3][0]
+    assert "shape (4,)" in results[0][0]
+    assert "stage" in results[2][0]
+    for _, grad in results[1:]:
+        assert torch.equal(grad, torch.ones(2))  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, INF])
 def test_half_precision_gradients_are_combined_without_overflow_as_torch(

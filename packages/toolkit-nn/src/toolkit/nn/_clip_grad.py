@@ -73,7 +73,9 @@ def clip_grad_norm_(
         groups = by_mesh(params)
         if detail():
             agree(params, groups)
-        total, empty = total_norm(groups, norm_type, foreach)
+        total, empty, problem = total_norm(groups, norm_type, foreach)
+        if problem is not None:
+            raise ValueError(problem)
         refuse_empty(empty, norm_type)
         check_finite(total, norm_type, error_if_nonfinite)
         clip_with_norm(groups, max_norm, total, foreach)
@@ -115,7 +117,8 @@ def pipeline_clip_grad_norm_(
 
     Raises:
         ValueError: If neither ``group`` nor ``tie`` is given and the default process group
-            has more than one rank; or, as ``clip_grad_norm_``, on a stage's mesh.
+            has more than one rank; on every rank, if a stage's mesh refuses as
+            ``clip_grad_norm_`` (that stage's ranks say why).
         RuntimeError: On every rank of the pipeline, with no gradient changed: if
             ``error_if_nonfinite`` is set and the norm is not finite, or an ``inf``, ``-inf``
             or negative norm meets a gradient without elements, as torch's.
@@ -135,8 +138,9 @@ def pipeline_clip_grad_norm_(
     # DTensors without a gradient here too: their mesh's ranks compare how many have one.
     counted = by_mesh(p for p in params if id(p) not in skipped)
     has_grads = any(p.grad is not None for group in counted for p in group)
-    local, empty = total_norm(counted, norm_type, foreach)
+    local, empty, problem = total_norm(counted, norm_type, foreach)
     total: torch.Tensor | None = local
+    agreed = [True]
     if dist.get_world_size(pipeline) > 1:
         from torch.distributed.distributed_c10d import _get_object_coll_device  # noqa: PLC0415
 
@@ -145,7 +149,15 @@ def pipeline_clip_grad_norm_(
 
         norm = local if has_grads else None  # a rank without gradients takes no part
         size, device = dist.get_world_size(pipeline), _get_object_coll_device(pipeline)
-        total, empty, _ = combine(norm, has_grads, empty, [], norm_type, size, device, reduce)
+        # Whether this rank's meshes refused rides too, so that every rank raises.
+        refused = [int(problem is not None)]
+        total, empty, agreed = combine(
+            norm, has_grads, empty, refused, norm_type, size, device, reduce
+        )
+    if problem is not None:
+        raise ValueError(problem)
+    if not agreed[0]:  # the ranks of another stage refused theirs
+        raise ValueError(_OTHER_STAGE)
     refuse_empty(empty, norm_type)  # on every rank: the flag rode the pipeline's all-reduce
     dtype = torch.promote_types(local.dtype, torch.float32)
     total = torch.zeros((), dtype=dtype) if total is None else total.to(dtype)
@@ -317,18 +329,16 @@ def refuse_empty(empty: bool, norm_type: float) -> None:
 
 def total_norm(
     groups: list[list[torch.Tensor]], norm_type: float, foreach: bool | None
-) -> tuple[torch.Tensor, bool]:
-    """The norm of the groups' gradients as one vector, a plain tensor; and whether it is refused.
+) -> tuple[torch.Tensor, bool, str | None]:
+    """The norm of the groups' gradients as one vector, a plain tensor; and why it is refused.
 
     Each mesh's norm is reduced over the mesh's ranks (:func:`mesh_norm`), the plain
     gradients' norm is this rank's, and the groups' norms are combined as torch combines the
     norms of its devices. Whether a gradient without elements makes ``norm_type`` refused
     (:func:`has_empty`) rides every mesh's reduction, so the second value is the same on
-    every rank of the meshes. A disagreement of a mesh's ranks is raised after every mesh
-    is reduced: until then the ranks of each mesh stay in step.
-
-    Raises:
-        ValueError: From :func:`mesh_norm`.
+    every rank of the meshes. The third value, the error of the first mesh whose ranks
+    disagree (:func:`mesh_norm`), is for the caller to raise: every mesh is reduced first,
+    so that the ranks of each stay in step.
     """
     empty = has_empty(groups, norm_type)
     norms, problems = [], []
@@ -340,17 +350,15 @@ def total_norm(
         elif not empty:  # torch's norm would raise on this rank alone
             grads = [p.grad for p in group]  # every plain tensor of the group has one
             norms.append(vector_norm(grads, norm_type, foreach))  # type: ignore[arg-type]
-    for problem in problems:
-        if problem is not None:
-            raise ValueError(problem)
+    problem = next((problem for problem in problems if problem is not None), None)
     taken = [n for n in norms if n is not None]
-    if empty or not taken:
-        return torch.tensor(0.0), empty
+    if empty or not taken or problem is not None:
+        return torch.tensor(0.0), empty, problem
     device = taken[0].device
     stacked = torch.stack([n.to(device) for n in taken])
     # The 0-"norm" counts the gradients with a nonzero element: the groups' counts add.
     total = stacked.sum() if norm_type == 0 else torch.linalg.vector_norm(stacked, norm_type)
-    return total, empty
+    return total, empty, None
 
 
 def mesh_norm(
@@ -559,6 +567,11 @@ _EMPTY = (
     "(there is no largest or smallest value to take, nor a negative power to add), and "
     "torch.nn.utils.clip_grad_norm_ refuses it too. Leave the parameter out or set its grad "
     "to None, or clip with a positive p-norm such as norm_type=2.0"
+)
+
+_OTHER_STAGE = (
+    "pipeline_clip_grad_norm_: the ranks of another stage refused their gradients, so no "
+    "rank clips; the error on those ranks says which gradient and what to do"
 )
 
 _UNEQUAL = (
