@@ -389,6 +389,25 @@ def test_targets_that_differ_in_one_position_are_refused_on_every_rank(
         assert grad is None
 
 
+def test_targets_swapped_between_two_far_positions_are_refused_on_every_rank() -> None:
+    """Two targets swapped between positions 2**20 apart on one rank: the same count, counted
+    count and sum of targets. The checksum's weights of the positions differ, so it tells the
+    ranks apart by default, where a mix of the two tokens' statistics would be silent."""
+    weight, far = _case(17, 2)[0], 2**20
+    x = torch.randn(1, DIM).expand(far + 1, DIM)  # one row, seen at every position
+
+    def rank_main(rank: int) -> str:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        target = torch.full((far + 1,), -100)
+        target[0], target[far] = (3, 5) if rank == 0 else (5, 3)
+        with torch.no_grad(), pytest.raises(ValueError, match="every rank") as info:
+            head.cross_entropy(x, target)
+        return str(info.value)
+
+    for message in run_threads(2, rank_main):
+        assert "same tokens and targets on every rank" in message
+
+
 @DETAIL
 @pytest.mark.parametrize("case", DIFFERENCES)
 def test_an_option_that_differs_on_a_vocabulary_shard_is_refused_on_every_rank(
