@@ -343,8 +343,9 @@ def _row_losses(
 class _Gradients:
     """The gradients of x (by chunk) and of the weight, summed over the chunks.
 
-    In place, into one ``(tokens, D)`` buffer and one ``(V, D)`` buffer; under grad mode, out
-    of place, so that autograd can differentiate them.
+    In place, into one ``(N, D)`` buffer for x's, where the tokens are its ``rows`` (0 in the
+    others, the ignored ones) or all of them, and one ``(V, D)`` buffer; under grad mode, out
+    of place and for every row, so that autograd can differentiate them.
     """
 
     def __init__(
@@ -353,7 +354,7 @@ class _Gradients:
         w_mm: torch.Tensor,
         o: _Options,
         *,
-        tokens: int,
+        rows: torch.Tensor | None,
         want_x: bool,
         want_w: bool,
     ) -> None:
@@ -364,11 +365,10 @@ class _Gradients:
         # and kept in float32 until backward has scaled it. bfloat16 has float32's range.
         x_dtype = self.acc if self.mm == torch.float16 else self.mm
         self.w_x = w_mm.to(x_dtype)
-        self.want_x = want_x
+        self.want_x, self.rows = want_x, rows
+        new = torch.empty if rows is None else torch.zeros
         self.x_buffer = (
-            torch.empty((tokens, x.shape[1]), dtype=x_dtype, device=x.device)
-            if want_x and self.inplace
-            else None
+            new(x.shape, dtype=x_dtype, device=x.device) if want_x and self.inplace else None
         )
         # No rows of x: with no tokens the gradient is this empty start, on x's device.
         self.x_parts: list[torch.Tensor] = [x.detach()[:0]]
@@ -376,10 +376,13 @@ class _Gradients:
 
     def add(self, start: int, grad: torch.Tensor, x_c: torch.Tensor) -> None:
         """Add a chunk's share, from the gradient of its logits ``grad``."""
-        if self.x_buffer is not None:
+        if self.x_buffer is not None and self.rows is None:
             torch.mm(
                 grad.to(self.w_x.dtype), self.w_x, out=self.x_buffer[start : start + len(grad)]
             )
+        elif self.x_buffer is not None:  # the chunk's tokens are rows[start:stop] of x
+            rows = self.rows[start : start + len(grad)]
+            self.x_buffer.index_copy_(0, rows, torch.mm(grad.to(self.w_x.dtype), self.w_x))
         elif self.want_x:
             self.x_parts.append(torch.mm(grad.to(self.w_x.dtype), self.w_x))
         if self.weight is not None and self.inplace:
@@ -438,10 +441,7 @@ def _counted_chunks(
     loss, grad_x, grad_w = _chunks(
         x, weight, target[rows], o, row_weight, want_x, want_w, check, rows
     )
-    loss = loss.new_zeros(target.shape).index_copy_(0, rows, loss)
-    if grad_x is not None:
-        grad_x = grad_x.new_zeros(x.shape).index_copy_(0, rows, grad_x)
-    return loss, grad_x, grad_w
+    return loss.new_zeros(target.shape).index_copy_(0, rows, loss), grad_x, grad_w
 
 
 def _chunks(
@@ -457,9 +457,10 @@ def _chunks(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Each token's loss, and the gradients of ``sum(row_weight * loss)`` for x and weight.
 
-    ``x`` is ``(N, D)``; the tokens are its ``rows`` (all of them for None), ``target`` and
-    ``row_weight`` theirs. ``row_weight`` is the incoming gradient of each token's loss, or
-    None for one per token. The gradient of the tokens of ``x`` has the products' dtype
+    ``x`` is ``(N, D)``; the tokens are its ``rows`` (all of them for None; rows only outside
+    grad mode), ``target`` and ``row_weight`` theirs. ``row_weight`` is the incoming gradient
+    of each token's loss, or None for one per token. The gradient of x, ``(N, D)`` and 0 in
+    the rows not taken, has the products' dtype
     (float32 for float16; or x's, if wider, out of place), the weight's the accumulation
     dtype. Under grad mode every operation is out of place and differentiable, but for updates
     of fresh results; otherwise the chunk's buffers are reused in place. With ``check``, the
@@ -471,7 +472,7 @@ def _chunks(
     w_mm = weight.to(o.mm_dtype)
     keep = target != o.ignore_index
     index = torch.where(keep, target, 0).unsqueeze(1)
-    grads = _Gradients(x, w_mm, o, tokens=num_tokens, want_x=want_x, want_w=want_w)
+    grads = _Gradients(x, w_mm, o, rows=rows, want_x=want_x, want_w=want_w)
     buffer = None
     if grads.inplace:  # one chunk's logits, reused: their softmax and gradient replace them
         shape = (min(o.chunk_size, num_tokens), vocab)
