@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from toolkit.nn._common import _gather_objects, _is_dtensor
+from toolkit.nn._common import _detail, _gather_objects, _is_dtensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -71,7 +71,7 @@ def clip_grad_norm_(
     with torch.no_grad():  # inside, not as a decorator: mutation testing reaches the body
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         groups = by_mesh(params)
-        if detail():
+        if _detail():
             agree(params, groups)
         total, empty, problem = total_norm(groups, norm_type, foreach)
         if problem is not None:
@@ -220,15 +220,6 @@ def by_mesh(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
 def _placed(param: torch.Tensor) -> torch.Tensor | None:
     """What places ``param`` on a mesh: the parameter if a DTensor, else its gradient."""
     return param if _is_dtensor(param) else param.grad
-
-
-def detail() -> bool:
-    """Whether ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` asks for checks with collectives of their own."""
-    if not dist.is_available():
-        return False
-    from torch.distributed.distributed_c10d import DebugLevel, get_debug_level  # noqa: PLC0415
-
-    return get_debug_level() == DebugLevel.DETAIL
 
 
 def agree(params: list[torch.Tensor], groups: list[list[torch.Tensor]]) -> None:
@@ -395,7 +386,7 @@ def mesh_norm(
     )
     if not agreed[0]:
         return None, empty, _UNEQUAL  # the flags below would differ in length
-    named = detail() or not all(agreed[1:])
+    named = _detail() or not all(agreed[1:])
     problem = gradient_on_some_ranks(group, mesh) if named else None
     if problem is not None:  # the same on every rank of the mesh: each returns here
         return None, empty, problem

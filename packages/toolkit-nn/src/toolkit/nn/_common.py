@@ -1,6 +1,7 @@
 """What several modules of the package share.
 
-The DTensor test, a module's one-line description, the module that computes a TiedLinear
+The DTensor test, whether ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` asks for checks, a module's
+one-line description, the module that computes a TiedLinear
 head's ``x @ weight.T``, and the gathering of each rank's Python object.
 
 This is the one module whose private names other modules of the package import.
@@ -26,6 +27,15 @@ def _is_dtensor(tensor: object) -> bool:
     """
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
+
+
+def _detail() -> bool:
+    """Whether ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` asks for checks with collectives of their own."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.distributed_c10d import DebugLevel, get_debug_level  # noqa: PLC0415
+
+    return get_debug_level() == DebugLevel.DETAIL
 
 
 def _describe(module: nn.Module) -> str:

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 from torch.autograd.function import FunctionCtx
 
+from toolkit.nn._common import _detail
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -69,6 +71,9 @@ _CHECKED = (
     "x.requires_grad",
     "weight.requires_grad",
 )
+# The entries of a call (_SameCall): whether a rank refused it, then each value of _TOKENS and
+# _CHECKED as four 16-bit pieces, then the pieces negated.
+_CALL_ENTRIES = 1 + 2 * 4 * (len(_TOKENS) + len(_CHECKED))
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
@@ -376,13 +381,12 @@ class _Gradients:
 
     def add(self, start: int, grad: torch.Tensor, x_c: torch.Tensor) -> None:
         """Add a chunk's share, from the gradient of its logits ``grad``."""
-        if self.x_buffer is not None and self.rows is None:
-            torch.mm(
-                grad.to(self.w_x.dtype), self.w_x, out=self.x_buffer[start : start + len(grad)]
-            )
-        elif self.x_buffer is not None:  # the chunk's tokens are rows[start:stop] of x
-            rows = self.rows[start : start + len(grad)]
-            self.x_buffer.index_copy_(0, rows, torch.mm(grad.to(self.w_x.dtype), self.w_x))
+        stop = start + len(grad)
+        if self.x_buffer is not None and self.rows is not None:  # the tokens: rows[start:stop]
+            part = torch.mm(grad.to(self.w_x.dtype), self.w_x)
+            self.x_buffer.index_copy_(0, self.rows[start:stop], part)
+        elif self.x_buffer is not None:
+            torch.mm(grad.to(self.w_x.dtype), self.w_x, out=self.x_buffer[start:stop])
         elif self.want_x:
             self.x_parts.append(torch.mm(grad.to(self.w_x.dtype), self.w_x))
         if self.weight is not None and self.inplace:
@@ -824,13 +828,6 @@ def _other_tokens(tokens: object) -> ValueError:
     )
 
 
-def _detail() -> bool:
-    """Whether ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, torch's switch for checks that communicate."""
-    # torch.distributed re-exports both from c10d without listing them.
-    level = torch.distributed.get_debug_level()  # type: ignore[attr-defined]
-    return bool(level == torch.distributed.DebugLevel.DETAIL)  # type: ignore[attr-defined]
-
-
 def _check_same_call(
     target: torch.Tensor, o: _Options, shard: VocabShard, *, want_x: bool, want_w: bool
 ) -> None:
@@ -854,7 +851,7 @@ def _join_refused(weight: torch.Tensor, shard: VocabShard | None) -> None:
     """
     if shard is None or torch.compiler.is_compiling():
         return
-    size = 1 + 2 * 4 * (len(_TOKENS) + len(_CHECKED)) + (0 if _detail() else _FIRST_ROWS)
+    size = _CALL_ENTRIES + (0 if _detail() else _FIRST_ROWS)
     refused = torch.zeros(size, dtype=_accumulation_dtype(weight.dtype), device=weight.device)
     refused[0] = 1.0
     _all_reduce(refused, shard, torch.distributed.ReduceOp.MAX)
