@@ -101,6 +101,21 @@ def test_the_loss_and_gradients_are_the_stock_models_and_no_logits_are_returned(
     assert_the_stock_loss_and_gradients(stock, model, ids, labels=labels, **loss_kwargs)
 
 
+def test_padding_under_activation_checkpointing_gives_the_stock_loss_and_gradients(
+    build: Callable,
+) -> None:
+    """A padded batch (its mask reaches the decoder and a router's loss) with the decoder's
+    activations recomputed in the backward, as a fine-tuning run sets them."""
+    stock, model = stock_and_lean(build)
+    ids, labels = batch()
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # a left-padded second row
+    labels[1, :4] = -100
+    for each in (stock, model):
+        each.activation_checkpointing_enable()
+    assert_the_stock_loss_and_gradients(stock, model, ids, labels=labels, attention_mask=mask)
+
+
 def test_the_returned_tuple_keeps_the_stock_positions_with_none_for_the_logits(
     build: Callable,
 ) -> None:

@@ -436,7 +436,7 @@ def _lean_forward(model: Any, path: str, kind: str, kwargs: dict[str, Any]) -> A
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     fields = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
     if route.router and kwargs["output_router_logits"]:
-        balance = vars(sys.modules[kind.rpartition(".")[0]])["load_balancing_loss_func"]
+        balance = sys.modules[kind.rpartition(".")[0]].load_balancing_loss_func
         experts = (model.num_experts, model.num_experts_per_tok)
         aux = balance(outputs.router_logits, *experts, kwargs.get("attention_mask"))
         loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
