@@ -320,6 +320,43 @@ def test_a_backward_after_reduce_grads_is_refused_at_the_next_once() -> None:
     tie.reduce_grads()  # told once: the step redone is right
 
 
+def test_a_loop_without_reduce_grads_is_refused_at_the_next_step() -> None:
+    # The step trained each copy on its own part of the gradient; broadcast() kept the first's.
+    first, last = stages_of(0, 2)
+    tie = PipelineTie([first, last])
+    optimizer = torch.optim.SGD([*first.parameters(), *last.parameters()], lr=0.1)
+    two_stage_loss(first, last).backward()
+    optimizer.step()
+    tie.broadcast()
+    optimizer.zero_grad()
+    two_stage_loss(first, last).backward()
+    with pytest.raises(RuntimeError, match=r"reduce_grads\(\) after the last backward"):
+        tie.reduce_grads()
+    assert last.emb.weight.grad is not None  # type: ignore[union-attr] # nothing moved
+
+
+def test_broadcasts_before_any_step_and_twice_after_one_train_as_one_process() -> None:
+    first, last = stages_of(0, 2)
+    tie = PipelineTie([first, last])
+    whole = whole_model(initial_state())
+    ours = torch.optim.AdamW([*first.parameters(), *last.parameters()], lr=0.1)
+    theirs = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    tie.broadcast()
+    for _ in range(2):
+        two_stage_loss(first, last).backward()
+        whole(torch.tensor([[1, 2, 3]])).square().sum().backward()
+        tie.reduce_grads()
+        ours.step()
+        theirs.step()
+        tie.broadcast()
+        tie.broadcast()
+        ours.zero_grad()
+        theirs.zero_grad()
+    for stage in (first, last):
+        torch.testing.assert_close(stage.emb.weight, whole.emb.weight)
+    tie.reduce_grads()
+
+
 def test_a_copy_frozen_before_set_up_is_refused_after_its_backward() -> None:
     first, last = stages_of(0, 2)
     last.emb.weight.requires_grad_(False)  # type: ignore[union-attr]

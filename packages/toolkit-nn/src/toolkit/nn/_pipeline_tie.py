@@ -135,8 +135,9 @@ class PipelineTie:
 
         Also after a loss scaler's skipped step, and after any load other than with DCP. One
         ``broadcast`` per tied weight that several ranks hold (its local shard under FSDP2).
-        A copy but the first holding a gradient here had a backward after ``reduce_grads()``,
-        which the step missed: the next ``reduce_grads()`` says so.
+        Call it before ``zero_grad()``: a copy but the first holding a gradient here had a
+        backward after ``reduce_grads()``, or none was called, and the step missed that
+        gradient; the next ``reduce_grads()`` says so.
         """
         self._late = any(p.grad is not None for p in self.duplicates())
         self._broadcast()
@@ -244,9 +245,10 @@ class PipelineTie:
         if late:
             self._late = False  # told once: the step redone is right
             raise RuntimeError(
-                "PipelineTie.reduce_grads() found that a backward ran after reduce_grads() and "
-                "before the optimizer step, which missed its part of the tied gradient; call "
-                "reduce_grads() after the last backward, and redo that step"
+                "PipelineTie.reduce_grads() found that a copy of a tied weight but the first "
+                "held a gradient at the last broadcast(): a backward ran after reduce_grads(), "
+                "or none was called, so the optimizer step missed that part of the tied "
+                "gradient; call reduce_grads() after the last backward, and redo that step"
             )
 
     def duplicates(self) -> Iterator[nn.Parameter]:
