@@ -304,6 +304,24 @@ def test_copies_one_bit_apart_are_told_apart_in_every_dtype(dtype: torch.dtype) 
     tie.reduce_grads()
 
 
+def test_copies_viewing_a_flat_buffer_at_any_offset_are_checked() -> None:
+    # As parameters packed in one buffer are: each copy's storage starts 4 bytes past a word.
+    first, last = stages_of(0, 2)
+    for stage in (first, last):
+        weight = stage.emb.weight  # type: ignore[union-attr]
+        flat = torch.zeros(1 + weight.numel())
+        flat[1:] = weight.detach().view(-1)
+        stage.emb.weight = nn.Parameter(flat[1:].view(weight.shape))  # type: ignore[union-attr]
+    tie = PipelineTie([first, last])
+    two_stage_loss(first, last).backward()
+    tie.reduce_grads()
+    torch.testing.assert_close(first.emb.weight.grad, whole_gradient())
+    with torch.no_grad():
+        last.emb.weight[3, 5] += 1  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"tie\.broadcast\(\)"):
+        tie.reduce_grads()
+
+
 def test_a_backward_after_reduce_grads_is_refused_at_the_next_once() -> None:
     # Its gradient reached the last copy after the sum was taken: the step missed it.
     first, last = stages_of(0, 2)

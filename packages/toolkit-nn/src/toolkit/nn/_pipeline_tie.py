@@ -498,13 +498,12 @@ def _replaced(path: list[nn.Module], param: nn.Parameter) -> bool:
 
 
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of ``tensor``'s bytes as int64 words, in 8 bytes: exact in any dtype's sum.
+    """The int64 sum of ``tensor``'s elements as integers, in 8 bytes: exact in any sum.
 
     ``broadcast()`` makes the copies equal bit for bit; a step of one changes its checksum.
     """
-    data = tensor.detach().contiguous().view(-1).view(torch.uint8)
-    whole = len(data) - len(data) % 8
-    total = data[:whole].view(torch.int64).sum() + data[whole:].sum(dtype=torch.int64)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.itemsize]
+    total = tensor.detach().view(bits).sum()  # any strides and storage offset; int64
     return (total >> torch.arange(0, 64, 8, device=tensor.device)) & 255
 
 
