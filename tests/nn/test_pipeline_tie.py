@@ -375,6 +375,19 @@ def test_broadcasts_before_any_step_and_twice_after_one_train_as_one_process() -
     tie.reduce_grads()
 
 
+@pytest.mark.parametrize("compiled", [0, 1])
+def test_a_stage_wrapped_by_torch_compile_is_tied_by_the_whole_models_names(compiled: int) -> None:
+    # torch.compile(stage) holds the stage as `_orig_mod`: its names are not the whole model's.
+    stages = stages_of(0, 2)
+    passed = [torch.compile(s) if i == compiled else s for i, s in enumerate(stages)]
+    tie = PipelineTie(passed)  # type: ignore[arg-type] # an OptimizedModule is a Module
+    assert tie.names == ("emb",)
+    assert [id(p) for p in tie.duplicates()] == [id(stages[1].emb.weight)]  # type: ignore[union-attr]
+    two_stage_loss(*stages).backward()  # the wrapper's forward runs the same Parameters
+    tie.reduce_grads()
+    torch.testing.assert_close(stages[0].emb.weight.grad, whole_gradient())
+
+
 def test_a_copy_frozen_before_set_up_is_refused_after_its_backward() -> None:
     first, last = stages_of(0, 2)
     last.emb.weight.requires_grad_(False)  # type: ignore[union-attr]

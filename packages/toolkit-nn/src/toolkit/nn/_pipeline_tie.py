@@ -33,8 +33,8 @@ class PipelineTie:
 
     Args:
         stages: This rank's stage modules (one, or several for looped and V-shaped
-            schedules), as passed to ``PipelineStage``, possibly wrapped by DDP or
-            ``fully_shard``, before their first forward.
+            schedules), as passed to ``PipelineStage``, possibly wrapped by DDP,
+            ``torch.compile`` or ``fully_shard``, before their first forward.
         group: The pipeline's ranks in stage order (the first copy is the source), or only
             those holding copies: a process group or a 1-D DeviceMesh such as
             ``mesh["pp"]``. Default: the default process group.
@@ -303,10 +303,13 @@ def _path(stage: nn.Module, name: str) -> list[nn.Module]:
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    """The module inside DDP, whose qualified names are the whole model's."""
+    """The module inside DDP and ``torch.compile``, whose qualified names are the whole model's."""
+    from torch._dynamo.eval_frame import OptimizedModule  # noqa: PLC0415 - loads the compiler
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415 - needs distributed
 
-    return module.module if isinstance(module, DistributedDataParallel) else module
+    while isinstance(module, DistributedDataParallel | OptimizedModule):
+        module = module.module if isinstance(module, DistributedDataParallel) else module._orig_mod
+    return module
 
 
 def _process_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup:
