@@ -248,7 +248,8 @@ class PipelineTie:
                 "PipelineTie.reduce_grads() found that a copy of a tied weight but the first "
                 "held a gradient at the last broadcast(): a backward ran after reduce_grads(), "
                 "or none was called, so the optimizer step missed that part of the tied "
-                "gradient; call reduce_grads() after the last backward, and redo that step"
+                "gradient; call reduce_grads() after the last backward and broadcast() right "
+                "after optimizer.step(), and redo that step"
             )
 
     def duplicates(self) -> Iterator[nn.Parameter]:
