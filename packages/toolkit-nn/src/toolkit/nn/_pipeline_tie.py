@@ -111,9 +111,8 @@ class PipelineTie:
         self._dtype = functools.reduce(
             torch.promote_types, [x.dtype for x in self._layouts.values()]
         )
-        params = [p for ps in self._params.values() for p in ps]
-        params += [p for m in modules for p in m.parameters()]
-        self._device = params[0].device if params else torch.device("cpu")
+        params = (p for m in modules for p in m.parameters())  # the copies among them
+        self._device = next(params, torch.empty(0)).device
         self._late = False  # whether a copy but the first held a gradient at broadcast()
         self._broadcast()
 
