@@ -388,6 +388,14 @@ def test_a_stage_wrapped_by_torch_compile_is_tied_by_the_whole_models_names(comp
     torch.testing.assert_close(stages[0].emb.weight.grad, whole_gradient())
 
 
+def test_a_tied_module_inside_a_torch_compile_wrapper_is_refused_with_the_fix() -> None:
+    first, last = stages_of(0, 2)
+    last.emb = torch.compile(last.emb)  # type: ignore[assignment] # its copy: 'emb._orig_mod'
+    with pytest.raises(ValueError, match=r"\.compile\(\)") as info:
+        PipelineTie([first, last])
+    assert "'emb._orig_mod'" in str(info.value)
+
+
 def test_a_copy_frozen_before_set_up_is_refused_after_its_backward() -> None:
     first, last = stages_of(0, 2)
     last.emb.weight.requires_grad_(False)  # type: ignore[union-attr]

@@ -350,6 +350,13 @@ def _local_ties(stages: list[nn.Module]) -> tuple[str | None, list[str]]:
                     "copy of the whole model does",
                     [],
                 )
+            if "_orig_mod" in name.split("."):
+                return (
+                    f"its stage {index} holds its tied module as '{name}', inside a wrapper of "
+                    "torch.compile, under a name that the other stages' copies do not have; "
+                    "compile that module in place with its .compile(), or the whole stage",
+                    [],
+                )
             names.append(name)
     return None, names
 
