@@ -304,6 +304,24 @@ def test_copies_one_bit_apart_are_told_apart_in_every_dtype(dtype: torch.dtype) 
     tie.reduce_grads()
 
 
+def test_copies_viewing_a_flat_buffer_at_any_offset_are_checked() -> None:
+    # As parameters packed in one buffer are: each copy's storage starts 4 bytes past a word.
+    first, last = stages_of(0, 2)
+    for stage in (first, last):
+        weight = stage.emb.weight  # type: ignore[union-attr]
+        flat = torch.zeros(1 + weight.numel())
+        flat[1:] = weight.detach().view(-1)
+        stage.emb.weight = nn.Parameter(flat[1:].view(weight.shape))  # type: ignore[union-attr]
+    tie = PipelineTie([first, last])
+    two_stage_loss(first, last).backward()
+    tie.reduce_grads()
+    torch.testing.assert_close(first.emb.weight.grad, whole_gradient())
+    with torch.no_grad():
+        last.emb.weight[3, 5] += 1  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"tie\.broadcast\(\)"):
+        tie.reduce_grads()
+
+
 def test_a_backward_after_reduce_grads_is_refused_at_the_next_once() -> None:
     # Its gradient reached the last copy after the sum was taken: the step missed it.
     first, last = stages_of(0, 2)
@@ -318,6 +336,64 @@ def test_a_backward_after_reduce_grads_is_refused_at_the_next_once() -> None:
     with pytest.raises(RuntimeError, match=r"after reduce_grads\(\)"):
         tie.reduce_grads()
     tie.reduce_grads()  # told once: the step redone is right
+
+
+def test_a_loop_without_reduce_grads_is_refused_at_the_next_step() -> None:
+    # The step trained each copy on its own part of the gradient; broadcast() kept the first's.
+    first, last = stages_of(0, 2)
+    tie = PipelineTie([first, last])
+    optimizer = torch.optim.SGD([*first.parameters(), *last.parameters()], lr=0.1)
+    two_stage_loss(first, last).backward()
+    optimizer.step()
+    tie.broadcast()
+    optimizer.zero_grad()
+    two_stage_loss(first, last).backward()
+    with pytest.raises(RuntimeError, match=r"reduce_grads\(\) after the last backward"):
+        tie.reduce_grads()
+    assert last.emb.weight.grad is not None  # type: ignore[union-attr] # nothing moved
+
+
+def test_broadcasts_before_any_step_and_twice_after_one_train_as_one_process() -> None:
+    first, last = stages_of(0, 2)
+    tie = PipelineTie([first, last])
+    whole = whole_model(initial_state())
+    ours = torch.optim.AdamW([*first.parameters(), *last.parameters()], lr=0.1)
+    theirs = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    tie.broadcast()
+    for _ in range(2):
+        two_stage_loss(first, last).backward()
+        whole(torch.tensor([[1, 2, 3]])).square().sum().backward()
+        tie.reduce_grads()
+        ours.step()
+        theirs.step()
+        tie.broadcast()
+        tie.broadcast()
+        ours.zero_grad()
+        theirs.zero_grad()
+    for stage in (first, last):
+        torch.testing.assert_close(stage.emb.weight, whole.emb.weight)
+    tie.reduce_grads()
+
+
+@pytest.mark.parametrize("compiled", [0, 1])
+def test_a_stage_wrapped_by_torch_compile_is_tied_by_the_whole_models_names(compiled: int) -> None:
+    # torch.compile(stage) holds the stage as `_orig_mod`: its names are not the whole model's.
+    stages = stages_of(0, 2)
+    passed = [torch.compile(s) if i == compiled else s for i, s in enumerate(stages)]
+    tie = PipelineTie(passed)  # type: ignore[arg-type] # an OptimizedModule is a Module
+    assert tie.names == ("emb",)
+    assert [id(p) for p in tie.duplicates()] == [id(stages[1].emb.weight)]  # type: ignore[union-attr]
+    two_stage_loss(*stages).backward()  # the wrapper's forward runs the same Parameters
+    tie.reduce_grads()
+    torch.testing.assert_close(stages[0].emb.weight.grad, whole_gradient())
+
+
+def test_a_tied_module_inside_a_torch_compile_wrapper_is_refused_with_the_fix() -> None:
+    first, last = stages_of(0, 2)
+    last.emb = torch.compile(last.emb)  # type: ignore[assignment] # its copy: 'emb._orig_mod'
+    with pytest.raises(ValueError, match=r"\.compile\(\)") as info:
+        PipelineTie([first, last])
+    assert "'emb._orig_mod'" in str(info.value)
 
 
 def test_a_copy_frozen_before_set_up_is_refused_after_its_backward() -> None:

@@ -33,8 +33,8 @@ class PipelineTie:
 
     Args:
         stages: This rank's stage modules (one, or several for looped and V-shaped
-            schedules), as passed to ``PipelineStage``, possibly wrapped by DDP or
-            ``fully_shard``, before their first forward.
+            schedules), as passed to ``PipelineStage``, possibly wrapped by DDP,
+            ``torch.compile`` or ``fully_shard``, before their first forward.
         group: The pipeline's ranks in stage order (the first copy is the source), or only
             those holding copies: a process group or a 1-D DeviceMesh such as
             ``mesh["pp"]``. Default: the default process group.
@@ -111,9 +111,8 @@ class PipelineTie:
         self._dtype = functools.reduce(
             torch.promote_types, [x.dtype for x in self._layouts.values()]
         )
-        params = [p for ps in self._params.values() for p in ps]
-        params += [p for m in modules for p in m.parameters()]
-        self._device = params[0].device if params else torch.device("cpu")
+        params = (p for m in modules for p in m.parameters())  # the copies among them
+        self._device = next(params, torch.empty(0)).device
         self._late = False  # whether a copy but the first held a gradient at broadcast()
         self._broadcast()
 
@@ -135,8 +134,9 @@ class PipelineTie:
 
         Also after a loss scaler's skipped step, and after any load other than with DCP. One
         ``broadcast`` per tied weight that several ranks hold (its local shard under FSDP2).
-        A copy but the first holding a gradient here had a backward after ``reduce_grads()``,
-        which the step missed: the next ``reduce_grads()`` says so.
+        Call it before ``zero_grad()``: a copy but the first holding a gradient here had a
+        backward after ``reduce_grads()``, or none was called, and the step missed that
+        gradient; the next ``reduce_grads()`` says so.
         """
         self._late = any(p.grad is not None for p in self.duplicates())
         self._broadcast()
@@ -244,9 +244,11 @@ class PipelineTie:
         if late:
             self._late = False  # told once: the step redone is right
             raise RuntimeError(
-                "PipelineTie.reduce_grads() found that a backward ran after reduce_grads() and "
-                "before the optimizer step, which missed its part of the tied gradient; call "
-                "reduce_grads() after the last backward, and redo that step"
+                "PipelineTie.reduce_grads() found that a copy of a tied weight but the first "
+                "held a gradient at the last broadcast(): a backward ran after reduce_grads(), "
+                "or none was called, so the optimizer step missed that part of the tied "
+                "gradient; call reduce_grads() after the last backward and broadcast() right "
+                "after optimizer.step(), and redo that step"
             )
 
     def duplicates(self) -> Iterator[nn.Parameter]:
@@ -301,10 +303,13 @@ def _path(stage: nn.Module, name: str) -> list[nn.Module]:
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    """The module inside DDP, whose qualified names are the whole model's."""
+    """The module inside DDP and ``torch.compile``, whose qualified names are the whole model's."""
+    from torch._dynamo.eval_frame import OptimizedModule  # noqa: PLC0415 - loads the compiler
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415 - needs distributed
 
-    return module.module if isinstance(module, DistributedDataParallel) else module
+    while isinstance(module, DistributedDataParallel | OptimizedModule):
+        module = module.module if isinstance(module, DistributedDataParallel) else module._orig_mod
+    return module
 
 
 def _process_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup:
@@ -343,6 +348,13 @@ def _local_ties(stages: list[nn.Module]) -> tuple[str | None, list[str]]:
                     "tied module in the stage under its name in the whole model (do not set it "
                     "to None or replace it) and let the TiedLinear read that copy, as a deep "
                     "copy of the whole model does",
+                    [],
+                )
+            if "_orig_mod" in name.split("."):
+                return (
+                    f"its stage {index} holds its tied module as '{name}', inside a wrapper of "
+                    "torch.compile, under a name that the other stages' copies do not have; "
+                    "compile that module in place with its .compile(), or the whole stage",
                     [],
                 )
             names.append(name)
@@ -496,13 +508,12 @@ def _replaced(path: list[nn.Module], param: nn.Parameter) -> bool:
 
 
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of ``tensor``'s bytes as int64 words, in 8 bytes: exact in any dtype's sum.
+    """The int64 sum of ``tensor``'s elements as integers, in 8 bytes: exact in any sum.
 
     ``broadcast()`` makes the copies equal bit for bit; a step of one changes its checksum.
     """
-    data = tensor.detach().contiguous().view(-1).view(torch.uint8)
-    whole = len(data) - len(data) % 8
-    total = data[:whole].view(torch.int64).sum() + data[whole:].sum(dtype=torch.int64)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.itemsize]
+    total = tensor.detach().view(bits).sum()  # any strides and storage offset; int64
     return (total >> torch.arange(0, 64, 8, device=tensor.device)) & 255
 
 
