@@ -562,19 +562,19 @@ def test_foreach_true_where_no_foreach_kernel_exists_is_refused_as_by_torch() ->
         assert str(ours.value) == str(theirs.value)
 
 
-def test_foreach_true_is_refused_as_by_torch_for_a_duplicate_copy_left_out_of_the_norm() -> None:
-    # One rank holds both stages; the last stage's copy, a duplicate, lives on the meta device.
-    first, last = stages_of(0, 2)
-    last.emb.to("meta")
-    tie = PipelineTie([first, last])
-    duplicate = last.emb.weight
-    assert list(tie.duplicates()) == [duplicate]
-    duplicate.grad = torch.ones_like(duplicate)
-    with pytest.raises(RuntimeError, match="foreach=True was passed") as theirs:
-        torch.nn.utils.clip_grad_norm_(duplicate, 1.0, foreach=True)
-    with pytest.raises(RuntimeError, match="foreach=True was passed") as ours:
-        pipeline_clip_grad_norm_(duplicate, 1.0, foreach=True, tie=tie)
-    assert str(ours.value) == str(theirs.value)
+def test_clipping_before_reduce_grads_is_refused_and_changes_nothing() -> None:
+    # The last stage's copy still holds its part of the tied gradient, which the norm would miss.
+    stages = stages_of(0, 2)
+    tie = PipelineTie(stages)
+    two_stage_loss(*stages).backward()
+    params = [p for stage in stages for p in stage.parameters()]
+    before = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"reduce_grads\(\)"):
+        pipeline_clip_grad_norm_(params, 1e-3, tie=tie)
+    for param, grad in zip(params, before, strict=True):
+        assert torch.equal(param.grad, grad)  # type: ignore[arg-type]
+    tie.reduce_grads()
+    pipeline_clip_grad_norm_(params, 1e-3, tie=tie)  # then it clips
 
 
 def test_a_copy_replaced_after_set_up_is_refused_beside_copies_that_were_not() -> None:

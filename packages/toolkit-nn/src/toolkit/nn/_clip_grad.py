@@ -96,8 +96,8 @@ def pipeline_clip_grad_norm_(
 
     The total norm is the one ``torch.nn.utils.clip_grad_norm_`` gives for the whole model
     in one process: each rank takes its stages' norm as ``toolkit.nn.clip_grad_norm_`` does,
-    without ``tie``'s duplicate copies, and the ranks combine theirs in float64 in one
-    all-reduce. Call it after ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
+    and the ranks combine theirs in float64 in one all-reduce. Call it after
+    ``PipelineTie.reduce_grads()``, on every rank of the pipeline.
 
     Args:
         parameters: This rank's parameters (of every stage it holds), tensor or iterable.
@@ -107,8 +107,8 @@ def pipeline_clip_grad_norm_(
             Added in version v3.59.0.
         foreach: Use the foreach kernels (``None``: where the device supports them).
             Added in version v3.59.0.
-        group: The process group of one pipeline (every stage, in any order), or a 1-D
-            DeviceMesh of it, such as ``mesh["pp"]``. It wins over ``tie``'s group.
+        group: The pipeline's process group (every stage, in any order), or a 1-D DeviceMesh
+            of it, such as ``mesh["pp"]``. It wins over ``tie``'s group.
         tie: This rank's PipelineTie, whose group is the pipeline's without ``group``.
 
     Returns:
@@ -116,12 +116,12 @@ def pipeline_clip_grad_norm_(
         gradients' norm is, else float32.
 
     Raises:
-        ValueError: If neither ``group`` nor ``tie`` is given and the default process group
-            has more than one rank; on every rank, if a stage's mesh refuses as
-            ``clip_grad_norm_`` (that stage's ranks say why).
-        RuntimeError: On every rank of the pipeline, with no gradient changed: if
-            ``error_if_nonfinite`` is set and the norm is not finite, or an ``inf``, ``-inf``
-            or negative norm meets a gradient without elements, as torch's.
+        ValueError: If neither ``group`` nor ``tie`` is given and the default group has more
+            than one rank; on every rank, if a stage's mesh refuses as ``clip_grad_norm_``.
+        RuntimeError: On every rank, with no gradient changed: if a copy of ``tie`` but the
+            first holds a gradient (call ``reduce_grads()`` first); if ``error_if_nonfinite``
+            and the norm is not finite, or an ``inf``, ``-inf`` or negative norm meets a
+            gradient without elements, as torch's.
 
     Added in version v3.58.0.
 
@@ -134,13 +134,14 @@ def pipeline_clip_grad_norm_(
     """
     pipeline = _pipeline_group(group, tie)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    skipped = {id(p) for p in tie.duplicates()} if tie is not None else set()
+    # A duplicate copy holds its share of the tied gradient until reduce_grads() moves it.
+    early = tie is not None and any(p.grad is not None for p in tie.duplicates())
     # DTensors without a gradient here too: their mesh's ranks compare how many have one.
-    counted = by_mesh(p for p in params if id(p) not in skipped)
+    counted = by_mesh(params)
     has_grads = any(p.grad is not None for group in counted for p in group)
     local, empty, problem = total_norm(counted, norm_type, foreach)
     total: torch.Tensor | None = local
-    agreed = [True]
+    agreed = [True, True]
     if dist.get_world_size(pipeline) > 1:
         from torch.distributed.distributed_c10d import _get_object_coll_device  # noqa: PLC0415
 
@@ -149,8 +150,9 @@ def pipeline_clip_grad_norm_(
 
         norm = local if has_grads else None  # a rank without gradients takes no part
         size, device = dist.get_world_size(pipeline), _get_object_coll_device(pipeline)
-        # Whether this rank's meshes refused rides too, so that every rank raises.
-        refused = [int(problem is not None)]
+        # Whether this rank's meshes refused, or it clips before reduce_grads(), rides too, so
+        # that every rank raises.
+        refused = [int(problem is not None), int(early)]
         total, empty, agreed = combine(
             norm, has_grads, empty, refused, norm_type, size, device, reduce
         )
@@ -158,6 +160,12 @@ def pipeline_clip_grad_norm_(
         raise ValueError(problem)
     if not agreed[0]:  # the ranks of another stage refused theirs
         raise ValueError(_OTHER_STAGE)
+    if early or not agreed[1]:
+        raise RuntimeError(
+            "pipeline_clip_grad_norm_ was called before PipelineTie.reduce_grads(): a copy of "
+            "the tied weight but the first still holds its part of the gradient, which the norm "
+            "would leave out; call tie.reduce_grads() on every rank first"
+        )
     refuse_empty(empty, norm_type)  # on every rank: the flag rode the pipeline's all-reduce
     dtype = torch.promote_types(local.dtype, torch.float32)
     total = torch.zeros((), dtype=dtype) if total is None else total.to(dtype)
