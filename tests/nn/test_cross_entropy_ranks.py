@@ -90,6 +90,7 @@ def _sharded_embedding(weight: Tensor, mesh: Any) -> nn.Embedding:
         (17, 2, torch.bfloat16, {"label_smoothing": 0.1, "z_loss": 0.01}),
         (4, 3, torch.float32, {"label_smoothing": 0.1, "z_loss": 0.01, "chunk_size": 2}),  # 2, 2, 0
         (5, 3, torch.float32, {"label_smoothing": 0.1, "z_loss": 0.01, "chunk_size": 2}),  # 2, 2, 1
+        (4, 3, torch.float32, {"reduction": "none", "label_smoothing": 0.1, "chunk_size": 2}),
         (17, 2, torch.float32, {"reduction": "sum", "sequence_parallel": True}),
     ],
 )

@@ -146,13 +146,20 @@ class _Statistics(NamedTuple):
 
 
 def _statistics(
-    z: torch.Tensor, index: torch.Tensor, o: _Options, inplace: bool, check: _SameCall | None
+    z: torch.Tensor,
+    index: torch.Tensor,
+    o: _Options,
+    inplace: bool,
+    check: _SameCall | None,
+    known: torch.Tensor | None,
 ) -> _Statistics:
     """The per-row statistics of the (soft-capped) logits ``z``, over the whole vocabulary.
 
     In place, the softmax replaces ``z``: what else is needed of ``z`` is taken first. With
     ``check``, the ranks' calls are compared in the first all-reduce, which raises on every
-    rank if they differ.
+    rank if they differ. On a shard, ``known`` is forward's ``(3, rows)`` logsumexp, target
+    logit and sum of the logits of these rows: backward's recompute takes them from it, and
+    the softmax, ``exp(z - lse)``, locally, with no all-reduce.
     """
     if o.shard is None:
         top = z.argmax(1, keepdim=True)
@@ -173,6 +180,12 @@ def _statistics(
     # cross the group, a max, then the sum of exponentials, the target logit and the sum.
     # Only in place: a sharded weight refuses a backward that differentiates this again.
     tokens, rows = z.shape
+    local = index - o.shard.offset
+    here = (local >= 0) & (local < rows)
+    column = torch.where(here, local, 0)
+    if known is not None:  # backward: the softmax from forward's logsumexp, here alone
+        lse, target_logit, total = known
+        return _Statistics(lse, target_logit, total, z.sub_(lse.unsqueeze(1)).exp_(), column, here)
     peak = z.amax(1) if rows else z.new_full((tokens,), -math.inf)
     if check is not None:  # the call's entries, then the maxima padded to one size
         peak = torch.cat([check.entries, peak, peak.new_full((_FIRST_ROWS - tokens,), -math.inf)])
@@ -181,9 +194,6 @@ def _statistics(
         _raise_unless_same(check, peak[: len(check.entries)])
         peak = peak[len(check.entries) :][:tokens]
     peak = peak.unsqueeze(1)
-    local = index - o.shard.offset
-    here = (local >= 0) & (local < rows)
-    column = torch.where(here, local, 0)
     target_logit = z.gather(1, column) if rows else z.new_zeros(index.shape)
     total = z.sum(1)
     p = z.sub_(peak).exp_()
@@ -300,14 +310,16 @@ def _row_losses(
     want_grad: bool,
     inplace: bool,
     check: _SameCall | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's loss, and the gradient of the rows' sum with respect to the logits ``z``.
+    known: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Each row's loss, the gradient of the rows' sum for the logits ``z``, and statistics.
 
+    The statistics are the rows' ``(3, rows)`` logsumexp, target logit and sum of the logits.
     ``z`` is ``(rows, V)`` in the accumulation dtype, ``index`` ``(rows, 1)`` the target
     (0 where ignored) and ``keep`` ``(rows,)`` the counted rows; ignored rows give 0 and a
     zero gradient. In place, ``z`` becomes the gradient; otherwise ``z`` and what backward
-    saves are left unchanged, so that autograd can differentiate it again. ``check``: see
-    ``_statistics``.
+    saves are left unchanged, so that autograd can differentiate it again. ``check`` and
+    ``known``: see ``_statistics``.
     """
     vocab = z.shape[1] if o.shard is None else o.shard.vocab
     eps, cap = o.label_smoothing, o.softcap
@@ -318,8 +330,9 @@ def _row_losses(
         # d/dz cap * tanh(z / cap) = 1 - (z_capped / cap)^2, taken before the softmax
         # replaces z: one more chunk-sized tensor, with a soft-cap only.
         slope = (z / cap).square_().neg_().add_(1.0)
-    stats = _statistics(z, index, o, inplace, check)
+    stats = _statistics(z, index, o, inplace, check, known)
     lse, p = stats.lse, stats.probs
+    known = torch.stack([lse, stats.target_logit, stats.total])
     # lse - (1 - eps) * z_target - eps * mean(z): F.cross_entropy's label smoothing.
     row = lse - (1.0 - eps) * stats.target_logit
     if eps:
@@ -328,7 +341,7 @@ def _row_losses(
         row = row + o.z_loss * lse.square()
     row = torch.where(keep, row, 0.0)
     if not want_grad:
-        return row, None
+        return row, None, known
     # d row / d z = p * (1 + 2 c lse) - (1 - eps) onehot - eps / V, on counted rows.
     counted = keep.to(z.dtype)
     scale = (counted * (1.0 + 2.0 * o.z_loss * lse)).unsqueeze(1)
@@ -342,7 +355,7 @@ def _row_losses(
         grad.scatter_add_(1, stats.column, onehot)
     if slope is not None:  # through the soft-cap
         grad.mul_(slope)
-    return row, grad
+    return row, grad, known
 
 
 class _Gradients:
@@ -428,8 +441,9 @@ def _counted_chunks(
     want_x: bool,
     want_w: bool,
     check: _SameCall | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``_chunks`` of the counted tokens only: the ignored ones get a loss and gradient of 0.
+    known: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``_chunks`` of the counted tokens only: the ignored ones' loss, statistics, gradient: 0.
 
     Every rank of a shard has the same targets, so takes the same tokens. Under
     ``torch.compile`` their number would be a dynamic shape, which breaks the graph, and
@@ -440,12 +454,15 @@ def _counted_chunks(
     if not (torch.compiler.is_compiling() or torch.is_grad_enabled()):
         rows = (target != o.ignore_index).nonzero().squeeze(1)
     if rows is None or len(rows) == len(target):
-        return _chunks(x, weight, target, o, row_weight, want_x, want_w, check, None)
+        return _chunks(x, weight, target, o, row_weight, want_x, want_w, check, known, None)
     row_weight = None if row_weight is None else row_weight[rows]
-    loss, grad_x, grad_w = _chunks(
-        x, weight, target[rows], o, row_weight, want_x, want_w, check, rows
+    known = None if known is None else known[:, rows]
+    loss, stats, grad_x, grad_w = _chunks(
+        x, weight, target[rows], o, row_weight, want_x, want_w, check, known, rows
     )
-    return loss.new_zeros(target.shape).index_copy_(0, rows, loss), grad_x, grad_w
+    loss = loss.new_zeros(target.shape).index_copy_(0, rows, loss)
+    stats = stats.new_zeros((3, len(target))).index_copy_(1, rows, stats)
+    return loss, stats, grad_x, grad_w
 
 
 def _chunks(
@@ -457,10 +474,13 @@ def _chunks(
     want_x: bool,
     want_w: bool,
     check: _SameCall | None,
+    known: torch.Tensor | None,
     rows: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Each token's loss, and the gradients of ``sum(row_weight * loss)`` for x and weight.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Each token's loss and statistics, and the gradients of ``sum(row_weight * loss)``.
 
+    The statistics are ``(3, tokens)``, as ``_row_losses`` gives them; the gradients are x's
+    and the weight's.
     ``x`` is ``(N, D)``; the tokens are its ``rows`` (all of them for None; rows only outside
     grad mode), ``target`` and ``row_weight`` theirs. ``row_weight`` is the incoming gradient
     of each token's loss, or None for one per token. The gradient of x, ``(N, D)`` and 0 in
@@ -469,7 +489,8 @@ def _chunks(
     dtype. Under grad mode every operation is out of place and differentiable, but for updates
     of fresh results; otherwise the chunk's buffers are reused in place. With ``check``, the
     first chunk has at most ``_FIRST_ROWS`` tokens, and is taken even with no token, so that
-    the ranks' calls are compared in its all-reduce.
+    the ranks' calls are compared in its all-reduce. ``known``: the tokens' statistics from
+    forward, on a shard (see ``_statistics``).
     """
     num_tokens, vocab = len(target), weight.shape[0]
     acc = _accumulation_dtype(o.mm_dtype)
@@ -484,11 +505,11 @@ def _chunks(
     starts = list(range(0, num_tokens, o.chunk_size))
     if check is not None:
         starts = [0, *range(min(o.chunk_size, _FIRST_ROWS), num_tokens, o.chunk_size)]
-    losses = []
+    losses, statistics = [], []
     for start, stop in itertools.pairwise([*starts, num_tokens]):
         x_c = (x[start:stop] if rows is None else x[rows[start:stop]]).to(o.mm_dtype)
         z = _chunk_logits(x_c, w_mm, acc, buffer)
-        row, grad = _row_losses(
+        row, grad, stats = _row_losses(
             z,
             index[start:stop],
             keep[start:stop],
@@ -496,8 +517,10 @@ def _chunks(
             want_grad=want_x or want_w,
             inplace=grads.inplace,
             check=check if start == 0 else None,
+            known=None if known is None else known[:, start:stop],
         )
         losses.append(row)
+        statistics.append(stats)
         if grad is None:
             continue
         if row_weight is not None:
@@ -505,11 +528,12 @@ def _chunks(
             grad = grad.mul_(factor) if grads.inplace else grad * factor
         grads.add(start, grad, x_c)
     loss = torch.cat(losses) if losses else x.new_zeros((0,), dtype=acc)
+    stats = torch.cat(statistics, 1) if statistics else x.new_zeros((3, 0), dtype=acc)
     grad_x = grads.x()
     if o.shard is not None and grad_x is not None:
         # Each rank's columns give a part of x's gradient: the whole is their sum.
         grad_x = _all_reduce(grad_x, o.shard, torch.distributed.ReduceOp.SUM)
-    return loss, grad_x, grads.weight
+    return loss, stats, grad_x, grads.weight
 
 
 def _reduce(rows: torch.Tensor, target: torch.Tensor, o: _Options) -> torch.Tensor:
@@ -551,7 +575,8 @@ class _Context(FunctionCtx):
 class _LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and, for a mean or a sum, the unit-weight gradients.
 
-    Backward scales those, or recomputes the chunks.
+    Backward scales those, or recomputes the chunks: on a shard, with forward's per-token
+    statistics, which it outputs for ``reduction="none"``.
     """
 
     @staticmethod
@@ -562,7 +587,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         o: _Options,
         want_x: bool,
         want_w: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         flat_target = target.reshape(-1)
         vocab = weight.shape[0] if o.shard is None else o.shard.vocab
         check = _same_call(flat_target, o, want_x=want_x, want_w=want_w) if o.check else None
@@ -572,7 +597,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if check is None:
             _check_targets(target, vocab, o.ignore_index)
         save = o.reduction != "none"
-        rows, grad_x, grad_w = _counted_chunks(
+        rows, stats, grad_x, grad_w = _counted_chunks(
             x.reshape(flat_target.numel(), x.shape[-1]),
             weight,
             flat_target,
@@ -585,24 +610,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if check is not None:
             _check_targets(target, vocab, o.ignore_index)
         # Outputs must be tensors, and distinct ones: a 0-d one stands for a gradient not
-        # computed, which backward never reads.
+        # computed, or statistics not kept, which backward never reads.
         return (
             _reduce(rows, target, o),
             x.new_empty(()) if grad_x is None else grad_x,
             x.new_empty(()) if grad_w is None else grad_w,
+            stats if _recompute_from_statistics(o) else x.new_empty(()),
         )
 
     @staticmethod
     def setup_context(
         ctx: _Context,
         inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Options, bool, bool],
-        output: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        output: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     ) -> None:
         x, weight, target, o, want_x, want_w = inputs
-        _, grad_x, grad_w = output
-        ctx.mark_non_differentiable(grad_x, grad_w)
+        _, grad_x, grad_w, stats = output
+        ctx.mark_non_differentiable(grad_x, grad_w, stats)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, weight, target, grad_x, grad_w)
+        ctx.save_for_backward(x, weight, target, grad_x, grad_w, stats)
         ctx.options = o
         ctx.x_shape, ctx.x_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         save = o.reduction != "none"
@@ -630,7 +656,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 "logits with head(x) and take F.cross_entropy of them inside "
                 "torch.distributed.tensor.parallel.loss_parallel()"
             )
-        x, weight, target = ctx.saved_tensors[:3]
+        x, weight, target, _, _, stats = ctx.saved_tensors
         flat_target = target.reshape(-1)
         keep = flat_target != o.ignore_index
         # grad_loss has the loss's dtype, the accumulation dtype.
@@ -639,7 +665,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             row_weight = _loss_factor(grad_loss, keep, o).expand(keep.shape)
         with torch.autocast(x.device.type, enabled=False):
-            _, grad_x, grad_w = _counted_chunks(
+            _, _, grad_x, grad_w = _counted_chunks(
                 x.reshape(flat_target.numel(), x.shape[-1]),
                 weight,
                 flat_target,
@@ -647,6 +673,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 row_weight=torch.where(keep, row_weight, 0.0),
                 want_x=needs_x,
                 want_w=needs_w,
+                known=stats if _recompute_from_statistics(o) else None,
             )
         return (
             None if grad_x is None else grad_x.reshape(ctx.x_shape).to(ctx.x_dtype),
@@ -660,14 +687,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def vmap(
         info: _BatchInfo, in_dims: tuple[object, ...], *args: object
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[int, int, int]]:
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[int, int, int, int]]:
         # One call per batch entry: each is its own loss, with its own count of tokens.
         outputs = []
         for b in range(info.batch_size):
             entry = map(functools.partial(_select, b), args, in_dims)
             outputs.append(_LinearCrossEntropy.apply(*entry))  # type: ignore[no-untyped-call]
-        stacked = tuple(torch.stack([out[i] for out in outputs]) for i in range(3))
-        return stacked, (0,) * 3
+        stacked = tuple(torch.stack([out[i] for out in outputs]) for i in range(4))
+        return stacked, (0,) * 4
+
+
+def _recompute_from_statistics(o: _Options) -> bool:
+    """Whether backward recomputes a shard's chunks from forward's per-token statistics.
+
+    On a shard, for ``reduction="none"``: backward then needs no all-reduce but x's gradient's.
+    """
+    return o.shard is not None and o.reduction == "none"
 
 
 def _loss_factor(grad_loss: torch.Tensor, keep: torch.Tensor, o: _Options) -> torch.Tensor:
@@ -696,7 +731,7 @@ def _scale_saved(
             "place by backward. Compute the loss again for another backward."
         )
     ctx.used = True
-    _, _, target, grad_x, grad_w = ctx.saved_tensors
+    _, _, target, grad_x, grad_w, _ = ctx.saved_tensors
     o = ctx.options
     # The factor has the loss's dtype, the accumulation dtype: float16 cannot hold a loss
     # scale such as 65536, nor the gradient of one token of a mean over thousands.
