@@ -163,7 +163,7 @@ class PipelineTie:
                 ``fully_shard`` after it, say), or a tied weight is frozen in some copies only.
             RuntimeError: On every rank, if the copies differ (no ``broadcast()`` after a
                 step or load), or a copy but the first held a gradient at ``broadcast()``.
-            Nothing is changed; where one rank holds every copy, it alone raises.
+                Nothing is changed; where one rank holds every copy, it alone raises.
         """
         with torch.no_grad():
             sizes = [math.prod(self._layouts[name].local_shape) for name in self._shared]
