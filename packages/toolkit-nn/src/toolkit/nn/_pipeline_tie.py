@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.nn._common import _describe, _gather_objects, _is_dtensor
+from toolkit.nn._common import _describe, _gather_objects, _is_dtensor, _process_group
 from toolkit.nn._tied_linear import TiedLinear
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class PipelineTie:
         group: dist.ProcessGroup | DeviceMesh | None = None,
     ) -> None:
         modules = [_unwrap(m) for m in ([stages] if isinstance(stages, nn.Module) else stages)]
-        self.group = _process_group(group)
+        self.group = _process_group(group, "PipelineTie") or dist.group.WORLD  # type: ignore[assignment]
         self._rank = dist.get_rank(self.group)
         if self._rank < 0:
             raise ValueError(
@@ -310,19 +310,6 @@ def _unwrap(module: nn.Module) -> nn.Module:
     while isinstance(module, DistributedDataParallel | OptimizedModule):
         module = module.module if isinstance(module, DistributedDataParallel) else module._orig_mod
     return module
-
-
-def _process_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup:
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 - needs distributed
-
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(
-                f"PipelineTie needs a 1-D DeviceMesh of the pipeline ranks, got a {group.ndim}-D "
-                'mesh; pass the pipeline dimension, such as mesh["pp"]'
-            )
-        return group.get_group()
-    return group if group is not None else dist.group.WORLD  # type: ignore[return-value]
 
 
 def _tied_linears(stage: nn.Module) -> Iterator[tuple[str, TiedLinear]]:
