@@ -91,23 +91,22 @@ class PipelineTie:
             )
         _refuse_problems(checks)
         _refuse_replicas(checks)
-        # Per name, the ranks holding copies (a TiedLinear reads one on its own stage, so every
-        # name is held somewhere), and how many each holds, in group-rank order.
-        self._counts = {
-            name: {r: held[name].copies for r, (_, held, _) in enumerate(checks) if name in held}
-            for name in self.names
+        # Per name, every copy's layout with its group rank, in group-rank order (a TiedLinear
+        # reads a copy on its own stage, so every name is held somewhere); the first is the weight.
+        copies = {
+            n: [(r, x) for r, (_, held, _) in enumerate(checks) for x in held.get(n, ())]
+            for n in self.names
         }
-        self._layouts: dict[str, _Layout] = {}
-        for name, counts in self._counts.items():
-            first, *others = counts
-            self._layouts[name] = checks[first][1][name]
-            for rank in others:
-                _refuse_unlike(name, (first, checks[first][1]), (rank, checks[rank][1]))
+        for name, held in copies.items():
+            _refuse_unlike(name, held)
+        self._first = {n: held[0][0] for n, held in copies.items()}
+        self._layouts = {n: held[0][1] for n, held in copies.items()}
+        self._copies = {n: [len(h.get(n, ())) for _, h, _ in checks] for n in self.names}
+        self._shared = {n for n, held in copies.items() if held[-1][0] != self._first[n]}
         # Each copy's path from its stage, and its Parameter as found now: under fully_shard the
         # sharded one, which the optimizer steps and FSDP2 adds the gradients into.
         self._paths = {n: [_path(m, n) for m in modules if _holds_copy(m, n)] for n in self.names}
         self._params = {n: [_weight(p[-1]) for p in paths] for n, paths in self._paths.items()}
-        self._shared = [name for name in self.names if len(self._counts[name]) > 1]
         self._dtype = functools.reduce(
             torch.promote_types, [x.dtype for x in self._layouts.values()]
         )
@@ -116,17 +115,13 @@ class PipelineTie:
         self._late = False  # whether a copy but the first held a gradient at broadcast()
         self._broadcast()
 
-    def _first(self, name: str) -> int:
-        """The group rank whose first copy of ``name`` is the weight."""
-        return min(self._counts[name])
-
     def _source(self, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """The weight's local value: ``tensor``, this rank's first copy or None, broadcast to."""
         if name in self._shared:
             layout = self._layouts[name]
             if tensor is None:
                 tensor = torch.empty(layout.local_shape, dtype=layout.dtype, device=self._device)
-            dist.broadcast(tensor, group=self.group, group_src=self._first(name))
+            dist.broadcast(tensor, group=self.group, group_src=self._first[name])
         return tensor
 
     def broadcast(self) -> None:
@@ -166,8 +161,9 @@ class PipelineTie:
             Nothing is changed; where one rank holds every copy, it alone raises.
         """
         with torch.no_grad():
-            sizes = [math.prod(self._layouts[name].local_shape) for name in self._shared]
-            slots = [8 * sum(self._counts[name].values()) for name in self.names]
+            shared = [n for n in self.names if n in self._shared]
+            sizes = [math.prod(self._layouts[name].local_shape) for name in shared]
+            slots = [8 * sum(self._copies[name]) for name in self.names]
             flat = torch.zeros(
                 sum(sizes) + 3 * len(self.names) + sum(slots) + 2,
                 dtype=self._dtype,
@@ -177,8 +173,7 @@ class PipelineTie:
                 flat, [*sizes, 3 * len(self.names), sum(slots), 2]
             )
             totals = {
-                n: p.view(self._layouts[n].local_shape)
-                for n, p in zip(self._shared, parts, strict=True)
+                n: p.view(self._layouts[n].local_shape) for n, p in zip(shared, parts, strict=True)
             }
             replaced = False
             for name, flag, checksums in zip(
@@ -194,7 +189,7 @@ class PipelineTie:
                         + [any(p.requires_grad is f for p in params) for f in (False, True)]
                     )
                 )
-                start = 8 * sum(n for r, n in self._counts[name].items() if r < self._rank)
+                start = 8 * sum(self._copies[name][: self._rank])
                 for path, param in zip(self._paths[name], params, strict=True):
                     replaced = replaced or _replaced(path, param)
                     checksums[start : start + 8] = _checksum(_local(param))
@@ -202,7 +197,7 @@ class PipelineTie:
                     if param.grad is not None:
                         total.add_(_local(param.grad))
             problems.copy_(problems.new_tensor([replaced, self._late]))
-            if self._shared:
+            if shared:
                 dist.all_reduce(flat, group=self.group)
             present, frozen, trained = flags.view(-1, 3).T.tolist()
             differ = [bool((c.view(-1, 8) != c[:8]).any()) for c in torch.split(sums, slots)]
@@ -211,7 +206,7 @@ class PipelineTie:
             )
             for name, counted in zip(self.names, present, strict=True):
                 params = self._params[name]
-                keeps = self._rank == self._first(name)  # this rank's first copy is the weight
+                keeps = self._rank == self._first[name]  # this rank's first copy is the weight
                 for param in params[keeps:] if counted else ():  # else: every copy keeps None
                     param.grad = None
                 if counted and keeps and params[0].grad is None:
@@ -254,7 +249,7 @@ class PipelineTie:
     def duplicates(self) -> Iterator[nn.Parameter]:
         """The copies not counted in a norm over the pipeline: all but the first stage's."""
         for name, params in self._params.items():
-            yield from params[1:] if self._rank == self._first(name) else params
+            yield from params[1:] if self._rank == self._first[name] else params
 
     def check(self) -> None:
         """Verify that every copy (its local shard) equals the first, on every rank.
@@ -277,7 +272,7 @@ class PipelineTie:
                         found.append(
                             f"the copies of the tied weight '{name}.weight' differ: copy {index} "
                             f"on group rank {self._rank} has {copy[at].item()!r} at index {at}, "
-                            f"where the first copy on group rank {self._first(name)} has "
+                            f"where the first copy on group rank {self._first[name]} has "
                             f"{first[at].item()!r} ({len(differs)} of {copy.numel()} elements "
                             "differ). Call PipelineTie.broadcast() after every optimizer step and "
                             "after loading a state dict other than with DCP"
@@ -388,46 +383,44 @@ def _refuse_replicas(checks: list[Any]) -> None:
             )
 
 
-def _refuse_unlike(
-    name: str, first: tuple[int, dict[str, _Layout]], other: tuple[int, dict[str, _Layout]]
-) -> None:
-    """Refuse two ranks' copies of ``name`` that differ in shape, dtype or local shard."""
-    (rank0, layouts0), (rank1, layouts1) = first, other
-    for field, what, fix in (
-        ("shape", "shape", "build every stage from the same model"),
-        ("dtype", "dtype", "give every stage's copy one dtype, such as with stage.to(dtype)"),
-        (
-            "local_shape",
-            "local shard shape",
-            "shard every stage's copy alike over the same data-parallel mesh, as "
-            'fully_shard(stage, mesh=mesh["dp"]) does, and pass the pipeline\'s group, such as '
-            'group=mesh["pp"]',
-        ),
-    ):
-        if getattr(layouts0[name], field) != getattr(layouts1[name], field):
-            field0, field1 = (
-                {n: getattr(x, field) for n, x in ls.items()} for ls in (layouts0, layouts1)
-            )
-            raise ValueError(
-                f"PipelineTie needs every copy of the tied weights to have one {what}, but "
-                f"group rank {rank0} has {field0} and group rank {rank1} has {field1}; {fix}"
-            )
+_UNLIKE = {
+    "shape": ("shape", "build every stage from the same model"),
+    "dtype": ("dtype", "give every stage's copy one dtype, such as with stage.to(dtype)"),
+    "local_shape": (
+        "local shard shape",
+        "shard every stage's copy alike over the same data-parallel mesh, as "
+        'fully_shard(stage, mesh=mesh["dp"]) does, and pass the pipeline\'s group, such as '
+        'group=mesh["pp"]',
+    ),
+}
+
+
+def _refuse_unlike(name: str, copies: list[tuple[int, _Layout]]) -> None:
+    """Refuse copies of ``name`` (group rank, layout) that differ in shape, dtype or shard."""
+    (rank0, first), *others = copies
+    for field, (what, fix) in _UNLIKE.items():
+        for rank, layout in others:
+            if getattr(layout, field) != getattr(first, field):
+                raise ValueError(
+                    f"PipelineTie needs every copy of the tied weight '{name}.weight' to have one "
+                    f"{what}, but group rank {rank0} has {getattr(first, field)} and group rank "
+                    f"{rank} has {getattr(layout, field)}; {fix}"
+                )
 
 
 class _Layout(NamedTuple):
-    """A tied weight as one rank holds it: shape, local shard, dtype, copies on the rank."""
+    """A copy of a tied weight as a rank holds it: its shape, local shard and dtype."""
 
     shape: tuple[int, ...]
     local_shape: tuple[int, ...]
     dtype: torch.dtype
-    copies: int
 
 
 def _copies_problem(
     stages: list[nn.Module], names: tuple[str, ...]
-) -> tuple[str | None, dict[str, _Layout]]:
-    """The first problem with this rank's copies, and the layout of each tied weight it holds."""
-    layouts: dict[str, _Layout] = {}
+) -> tuple[str | None, dict[str, list[_Layout]]]:
+    """The first problem with this rank's copies, and the layout of each copy it holds."""
+    layouts: dict[str, list[_Layout]] = {}
     for name in names:
         paths = [_path(stage, name) for stage in stages if _holds_copy(stage, name)]
         problem = next(filter(None, (_copy_problem(name, path) for path in paths)), None)
@@ -441,15 +434,10 @@ def _copies_problem(
                 "each stage its own copy (copy.deepcopy of the whole model, one per stage)",
                 {},
             )
-        if any(w.shape != weights[0].shape for w in weights[1:]):
-            return (
-                f"its copies of '{name}' differ in shape; build every stage from the same model",
-                {},
-            )
         if weights:
-            local = _local(weights[0])
-            shapes = (tuple(weights[0].shape), tuple(local.shape))
-            layouts[name] = _Layout(*shapes, local.dtype, len(weights))
+            layouts[name] = [
+                _Layout(tuple(w.shape), tuple(_local(w).shape), w.dtype) for w in weights
+            ]
     return None, layouts
 
 
