@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -161,76 +162,71 @@ class PipelineTie:
             Nothing is changed; where one rank holds every copy, it alone raises.
         """
         with torch.no_grad():
+            # One buffer: the gradient shard of each weight that several ranks hold, then per
+            # name whether a rank has a gradient, a frozen copy, a copy that trains, and each
+            # copy's checksum in 8 slots of its own (to which the sum adds zeros); then whether
+            # a copy was replaced, and whether one held a gradient at broadcast().
             shared = [n for n in self.names if n in self._shared]
-            sizes = [math.prod(self._layouts[name].local_shape) for name in shared]
-            slots = [8 * sum(self._copies[name]) for name in self.names]
-            flat = torch.zeros(
-                sum(sizes) + 3 * len(self.names) + sum(slots) + 2,
-                dtype=self._dtype,
-                device=self._device,
-            )
-            *parts, flags, sums, problems = torch.split(
-                flat, [*sizes, 3 * len(self.names), sum(slots), 2]
-            )
-            totals = {
-                n: p.view(self._layouts[n].local_shape) for n, p in zip(shared, parts, strict=True)
-            }
+            shapes = [self._layouts[n].local_shape for n in shared]
+            checks = [3 + 8 * sum(self._copies[n]) for n in self.names]
+            grads = [math.prod(shape) for shape in shapes]
+            sizes = [*grads, *checks, 2]
+            flat = torch.zeros(sum(sizes), dtype=self._dtype, device=self._device)
+            *parts, problems = torch.split(flat, sizes)
+            totals = {n: p.view(shape) for n, p, shape in zip(shared, parts, shapes, strict=False)}
             replaced = False
-            for name, flag, checksums in zip(
-                self.names, torch.split(flags, 3), torch.split(sums, slots), strict=True
-            ):
-                total = totals.setdefault(name, flat.new_zeros(self._layouts[name].local_shape))
+            for name, check in zip(self.names, parts[len(shared) :], strict=True):
                 params = self._params[name]
-                # The ranks with a gradient, with a frozen copy, with a copy that trains; and in
-                # slots of its own (to which the sum adds zeros), each copy's checksum.
-                flag.copy_(
-                    flag.new_tensor(
-                        [any(p.grad is not None for p in params)]
-                        + [any(p.requires_grad is f for p in params) for f in (False, True)]
-                    )
+                check[:3] = check.new_tensor(
+                    [any(p.grad is not None for p in params)]
+                    + [any(p.requires_grad is f for p in params) for f in (False, True)]
                 )
-                start = 8 * sum(self._copies[name][: self._rank])
+                start = 3 + 8 * sum(self._copies[name][: self._rank])
                 for path, param in zip(self._paths[name], params, strict=True):
                     replaced = replaced or _replaced(path, param)
-                    checksums[start : start + 8] = _checksum(_local(param))
+                    check[start : start + 8] = _checksum(_local(param))
                     start += 8
-                    if param.grad is not None:
-                        total.add_(_local(param.grad))
+                    if param.grad is None:
+                        continue
+                    if name in totals:
+                        totals[name].add_(_local(param.grad))
+                    else:  # held here alone: no buffer on the other ranks
+                        totals[name] = _local(param.grad).to(self._dtype, copy=True)
             problems.copy_(problems.new_tensor([replaced, self._late]))
             if shared:
                 dist.all_reduce(flat, group=self.group)
-            present, frozen, trained = flags.view(-1, 3).T.tolist()
-            differ = [bool((c.view(-1, 8) != c[:8]).any()) for c in torch.split(sums, slots)]
-            self._refuse(
-                problems.tolist(), [f * t for f, t in zip(frozen, trained, strict=True)], differ
-            )
-            for name, counted in zip(self.names, present, strict=True):
+            found = iter(flat[sum(grads) :].tolist())  # the one host sync
+            checked = [list(itertools.islice(found, n)) for n in checks]
+            replaced, late = found
+            self._refuse(replaced, late, checked)
+            for name, (counted, *_) in zip(self.names, checked, strict=True):
+                if not counted:  # no rank has a gradient: every copy keeps None
+                    continue
                 params = self._params[name]
                 keeps = self._rank == self._first[name]  # this rank's first copy is the weight
-                for param in params[keeps:] if counted else ():  # else: every copy keeps None
+                for param in params[1:] if keeps else params:
                     param.grad = None
-                if counted and keeps and params[0].grad is None:
+                if keeps and params[0].grad is None:
                     params[0].grad = _like(params[0], totals[name].to(params[0].dtype, copy=True))
-                elif counted and keeps:
+                elif keeps:
                     _local(params[0].grad).copy_(totals[name])  # type: ignore[arg-type]
 
-    def _refuse(self, problems: list[float], mixed: list[float], differ: list[bool]) -> None:
+    def _refuse(self, replaced: float, late: float, checked: list[list[float]]) -> None:
         """Raise the first problem that the ranks found, the same on every rank."""
-        replaced, late = problems
         if replaced:
             raise ValueError(
                 "PipelineTie.reduce_grads() found a tied copy whose Parameter is not the one the "
                 "tie was built with (fully_shard after it, say); build it after wrapping the stages"
             )
-        for name, both, differs in zip(self.names, mixed, differ, strict=True):
-            if both:
+        for name, (_, frozen, trained, *sums) in zip(self.names, checked, strict=True):
+            if frozen and trained:
                 raise ValueError(
                     f"PipelineTie.reduce_grads() found copies of the tied weight '{name}.weight' "
                     "frozen beside copies that train; one Parameter in one model, it is frozen "
                     f"or not: call stage.get_submodule('{name}').weight.requires_grad_(...) on "
                     "every stage alike"
                 )
-            if differs:
+            if any(sums[i : i + 8] != sums[:8] for i in range(8, len(sums), 8)):
                 raise RuntimeError(
                     f"PipelineTie.reduce_grads() found the copies of '{name}.weight' unequal: "
                     "call tie.broadcast() after every optimizer.step() and non-DCP load; this "
