@@ -113,8 +113,8 @@ class PipelineTie:
         )
         params = (p for m in modules for p in m.parameters())  # the copies among them
         self._device = next(params, torch.empty(0)).device
+        self.broadcast()
         self._late = False  # whether a copy but the first held a gradient at broadcast()
-        self._broadcast()
 
     def _source(self, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """The weight's local value: ``tensor``, this rank's first copy or None, broadcast to."""
@@ -135,9 +135,6 @@ class PipelineTie:
         gradient; the next ``reduce_grads()`` says so.
         """
         self._late = any(p.grad is not None for p in self.duplicates())
-        self._broadcast()
-
-    def _broadcast(self) -> None:
         with torch.no_grad():
             for name in self.names:
                 weights = [_local(p) for p in self._params[name]]
