@@ -83,7 +83,10 @@ class PipelineTie:
         gathered = _gather_objects(_local_ties(modules), self.group)
         _refuse_problems(gathered)
         self.names = tuple(sorted({n for _, names in gathered for n in names}))
-        problem, layouts = _copies_problem(modules, self.names)
+        # Each copy's path from its stage: under fully_shard its Parameter as found now is the
+        # sharded one, which the optimizer steps and FSDP2 adds the gradients into.
+        self._paths = {n: [_path(m, n) for m in modules if _holds_copy(m, n)] for n in self.names}
+        problem, layouts = _copies_problem(self._paths)
         checks = _gather_objects((problem, layouts, _stages_key(modules)), self.group)
         if not self.names:
             raise ValueError(
@@ -104,9 +107,6 @@ class PipelineTie:
         self._layouts = {n: held[0][1] for n, held in copies.items()}
         self._copies = {n: [len(h.get(n, ())) for _, h, _ in checks] for n in self.names}
         self._shared = {n for n, held in copies.items() if held[-1][0] != self._first[n]}
-        # Each copy's path from its stage, and its Parameter as found now: under fully_shard the
-        # sharded one, which the optimizer steps and FSDP2 adds the gradients into.
-        self._paths = {n: [_path(m, n) for m in modules if _holds_copy(m, n)] for n in self.names}
         self._params = {n: [_weight(p[-1]) for p in paths] for n, paths in self._paths.items()}
         self._dtype = functools.reduce(
             torch.promote_types, [x.dtype for x in self._layouts.values()]
@@ -410,12 +410,11 @@ class _Layout(NamedTuple):
 
 
 def _copies_problem(
-    stages: list[nn.Module], names: tuple[str, ...]
+    paths_by_name: dict[str, list[list[nn.Module]]],
 ) -> tuple[str | None, dict[str, list[_Layout]]]:
     """The first problem with this rank's copies, and the layout of each copy it holds."""
     layouts: dict[str, list[_Layout]] = {}
-    for name in names:
-        paths = [_path(stage, name) for stage in stages if _holds_copy(stage, name)]
+    for name, paths in paths_by_name.items():
         problem = next(filter(None, (_copy_problem(name, path) for path in paths)), None)
         if problem is not None:
             return problem, {}
