@@ -25,12 +25,11 @@ class PipelineTie:
     """The copies of a TiedLinear's tied module on several pipeline stages, kept one weight.
 
     Split by deep copies, a tied language model holds its embedding on the first stage and on
-    the last, each copy under the model's qualified name. The first copy is the weight: after
-    the schedule's ``step``, ``reduce_grads()`` moves every copy's gradient into it (one
-    ``all_reduce``); the optimizer steps it; ``broadcast()`` copies it to the others. The other
-    copies hold no gradient at the step, so the optimizer keeps no state for them. Every rank
-    of ``group`` constructs the tie and calls its methods; ranks without a copy take part. The
-    [pipeline parallelism guide][pipeline-parallelism-with-a-tied-head] shows the loop.
+    the last. The first copy is the weight: ``reduce_grads()`` moves every copy's gradient into
+    it, the optimizer steps it (the others hold no gradient, so no optimizer state), and
+    ``broadcast()`` copies it to the others. Every rank of ``group`` constructs the tie and
+    calls its methods. The [pipeline parallelism guide][pipeline-parallelism-with-a-tied-head]
+    shows the loop.
 
     Args:
         stages: This rank's stage modules (one, or several for looped and V-shaped
@@ -95,8 +94,7 @@ class PipelineTie:
             )
         _refuse_problems(checks)
         _refuse_replicas(checks)
-        # Per name, every copy's layout with its group rank, in group-rank order (a TiedLinear
-        # reads a copy on its own stage, so every name is held somewhere); the first is the weight.
+        # Per name, every copy's group rank and layout in group-rank order; the first is the weight.
         copies = {
             n: [(r, x) for r, (_, held, _) in enumerate(checks) for x in held.get(n, ())]
             for n in self.names
@@ -111,8 +109,7 @@ class PipelineTie:
         self._dtype = functools.reduce(
             torch.promote_types, [x.dtype for x in self._layouts.values()]
         )
-        params = (p for m in modules for p in m.parameters())  # the copies among them
-        self._device = next(params, torch.empty(0)).device
+        self._device = next((p for m in modules for p in m.parameters()), torch.empty(0)).device
         self.broadcast()
         self._late = False  # whether a copy but the first held a gradient at broadcast()
 
@@ -128,11 +125,9 @@ class PipelineTie:
     def broadcast(self) -> None:
         """Make every copy equal to the first: on every rank, after each ``optimizer.step()``.
 
-        Also after a loss scaler's skipped step, and after any load other than with DCP. One
+        Also after a loss scaler's skipped step and any load other than with DCP; before
+        ``zero_grad()``, so that the next ``reduce_grads()`` can tell a gradient it missed. One
         ``broadcast`` per tied weight that several ranks hold (its local shard under FSDP2).
-        Call it before ``zero_grad()``: a copy but the first holding a gradient here had a
-        backward after ``reduce_grads()``, or none was called, and the step missed that
-        gradient; the next ``reduce_grads()`` says so.
         """
         self._late = any(p.grad is not None for p in self.duplicates())
         with torch.no_grad():
@@ -146,10 +141,9 @@ class PipelineTie:
         """Move every copy's gradient into the first copy, which then holds their sum.
 
         Call it on every rank after the schedule's ``step``, before unscaling, clipping and
-        ``optimizer.step()``. The other copies are left with ``None``: it may be called after
-        each schedule step that accumulates, once, or twice, and moves nothing twice. A tied
-        weight without a gradient keeps ``None``. One ``all_reduce`` over the group (none when
-        one rank holds every copy): the gradients' local shards and a check of the copies.
+        ``optimizer.step()``; after each step that accumulates, once, or twice: the other copies
+        are left with ``None``, so nothing moves twice. One ``all_reduce`` over the group (none
+        when one rank holds every copy): the gradients' local shards and a check of the copies.
 
         Raises:
             ValueError: On every rank, if a copy's Parameter was replaced since set-up (by
@@ -159,10 +153,9 @@ class PipelineTie:
             Nothing is changed; where one rank holds every copy, it alone raises.
         """
         with torch.no_grad():
-            # One buffer: the gradient shard of each weight that several ranks hold, then per
-            # name whether a rank has a gradient, a frozen copy, a copy that trains, and each
-            # copy's checksum in 8 slots of its own (to which the sum adds zeros); then whether
-            # a copy was replaced, and whether one held a gradient at broadcast().
+            # One buffer: the gradient of each weight that several ranks hold; per name whether
+            # a rank has a gradient, a frozen copy, a copy that trains, and each copy's checksum
+            # in 8 slots of its own; whether a copy was replaced or late (see _refuse).
             shared = [n for n in self.names if n in self._shared]
             shapes = [self._layouts[n].local_shape for n in shared]
             checks = [3 + 8 * sum(self._copies[n]) for n in self.names]
@@ -284,10 +277,8 @@ class PipelineTie:
 
 def _path(stage: nn.Module, name: str) -> list[nn.Module]:
     """The modules from ``stage`` down to its submodule ``name``, both included."""
-    modules = [stage]
-    for part in name.split("."):
-        modules.append(modules[-1].get_submodule(part))
-    return modules
+    parts = itertools.accumulate(name.split("."), lambda a, b: f"{a}.{b}")
+    return [stage, *map(stage.get_submodule, parts)]
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -466,19 +457,13 @@ def _sharded(path: list[nn.Module]) -> bool:
 
 
 def _replaced(path: list[nn.Module], param: nn.Parameter) -> bool:
-    """Whether ``param``, the copy's Parameter at set-up, is no longer the one that trains.
-
-    Under ``fully_shard`` the module shows the unsharded Parameter between its forward and
-    its reshard; the sharded one of the set-up stays, unless the stage was sharded after it.
-    """
+    """Whether ``param``, the copy's Parameter at set-up, is no longer the one that trains."""
+    # Under fully_shard the module shows the unsharded one between its forward and reshard.
     return not _is_dtensor(param) if _sharded(path) else path[-1].weight is not param
 
 
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """The int64 sum of ``tensor``'s elements as integers, in 8 bytes: exact in any sum.
-
-    ``broadcast()`` makes the copies equal bit for bit; a step of one changes its checksum.
-    """
+    """The int64 sum of ``tensor``'s elements as integers, in 8 bytes: exact in any sum."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.itemsize]
     total = tensor.detach().view(bits).sum()  # any strides and storage offset; int64
     return (total >> torch.arange(0, 64, 8, device=tensor.device)) & 255
