@@ -197,8 +197,8 @@ class PipelineTie:
                 for param in params[1:] if keeps else params:
                     param.grad = None
                 if keeps and params[0].grad is None:
-                    params[0].grad = _like(params[0], totals[name].to(params[0].dtype, copy=True))
-                elif keeps:
+                    params[0].grad = torch.zeros_like(params[0])  # a DTensor as the weight is
+                if keeps:
                     _local(params[0].grad).copy_(totals[name])  # type: ignore[arg-type]
 
     def _refuse(self, replaced: float, late: float, checked: list[list[float]]) -> None:
@@ -479,13 +479,3 @@ def _weight(module: nn.Module) -> nn.Parameter:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard, any other tensor itself."""
     return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-
-
-def _like(weight: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a gradient for ``weight``: a DTensor laid out as ``weight`` if it is one."""
-    if not _is_dtensor(weight):
-        return local
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415 - needs distributed
-
-    mesh, placements = weight.device_mesh, weight.placements  # type: ignore[attr-defined]
-    return DTensor.from_local(local, mesh, placements, shape=weight.shape, stride=weight.stride())
