@@ -40,11 +40,11 @@ class PipelineTie:
             ``mesh["pp"]``. Default: the default process group.
 
     Raises:
-        ValueError: On every rank of ``group``, naming the fix, if a TiedLinear reads a
-            module not registered in its stage, there is none, the copies differ in shape,
-            dtype or local shard, two stages share one weight, a tied module has other
-            parameters, a copy under ``fully_shard`` is unsharded, or two ranks hold the
-            same stages. On a rank outside ``group``, saying so.
+        ValueError: On every rank of ``group``, naming the fix, if there is no TiedLinear, one
+            reads a module not registered in its stage, the copies differ in shape, dtype or
+            local shard, two stages share one weight, a tied module has other parameters, a
+            copy under ``fully_shard`` is unsharded, or two ranks hold the same stages; on a
+            rank outside ``group``, saying so.
 
     Added in version v3.58.0.
 
@@ -105,10 +105,11 @@ class PipelineTie:
         self._layouts = {n: held[0][1] for n, held in copies.items()}
         self._copies = {n: [len(h.get(n, ())) for _, h, _ in checks] for n in self.names}
         self._shared = {n for n, held in copies.items() if held[-1][0] != self._first[n]}
-        self._params = {n: [_weight(p[-1]) for p in paths] for n, paths in self._paths.items()}
-        self._dtype = functools.reduce(
-            torch.promote_types, [x.dtype for x in self._layouts.values()]
-        )
+        self._params = {
+            n: [p[-1].get_parameter("weight") for p in ps] for n, ps in self._paths.items()
+        }
+        dtypes = [layout.dtype for layout in self._layouts.values()]
+        self._dtype = functools.reduce(torch.promote_types, dtypes)
         self._device = next((p for m in modules for p in m.parameters()), torch.empty(0)).device
         self.broadcast()
         self._late = False  # whether a copy but the first held a gradient at broadcast()
@@ -409,7 +410,7 @@ def _copies_problem(
         problem = next(filter(None, (_copy_problem(name, path) for path in paths)), None)
         if problem is not None:
             return problem, {}
-        weights = [_weight(path[-1]) for path in paths]
+        weights = [path[-1].get_parameter("weight") for path in paths]
         if len({id(w) for w in weights}) < len(weights):
             return (
                 f"two of its stages share one weight object as the tied module '{name}', so "
@@ -467,13 +468,6 @@ def _checksum(tensor: torch.Tensor) -> torch.Tensor:
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.itemsize]
     total = tensor.detach().view(bits).sum()  # any strides and storage offset; int64
     return (total >> torch.arange(0, 64, 8, device=tensor.device)) & 255
-
-
-def _weight(module: nn.Module) -> nn.Parameter:
-    """``module.weight``, a Parameter (checked at set-up)."""
-    weight = module.weight
-    assert isinstance(weight, nn.Parameter)
-    return weight
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
