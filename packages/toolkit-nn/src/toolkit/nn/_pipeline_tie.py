@@ -86,7 +86,11 @@ class PipelineTie:
         # sharded one, which the optimizer steps and FSDP2 adds the gradients into.
         self._paths = {n: [_path(m, n) for m in modules if _holds_copy(m, n)] for n in self.names}
         problem, layouts = _copies_problem(self._paths)
-        checks = _gather_objects((problem, layouts, _stages_key(modules)), self.group)
+        # What tells a rank's stages apart: each one's parameter names and TiedLinear paths.
+        key = [
+            (sorted(dict(m.named_parameters())), sorted(dict(_tied_linears(m)))) for m in modules
+        ]
+        checks = _gather_objects((problem, layouts, key), self.group)
         if not self.names:
             raise ValueError(
                 "PipelineTie found no TiedLinear in the stages of any rank of the group; "
@@ -99,8 +103,7 @@ class PipelineTie:
             n: [(r, x) for r, (_, held, _) in enumerate(checks) for x in held.get(n, ())]
             for n in self.names
         }
-        for name, held in copies.items():
-            _refuse_unlike(name, held)
+        _refuse_unlike(copies)
         self._first = {n: held[0][0] for n, held in copies.items()}
         self._layouts = {n: held[0][1] for n, held in copies.items()}
         self._copies = {n: [len(h.get(n, ())) for _, h, _ in checks] for n in self.names}
@@ -177,11 +180,9 @@ class PipelineTie:
                     replaced = replaced or _replaced(path, param)
                     check[start : start + 8] = _checksum(_local(param))
                     start += 8
-                    if param.grad is None:
-                        continue
-                    if name in totals:
+                    if param.grad is not None and name in totals:
                         totals[name].add_(_local(param.grad))
-                    else:  # held here alone: no buffer on the other ranks
+                    elif param.grad is not None:  # held here alone: no buffer on other ranks
                         totals[name] = _local(param.grad).to(self._dtype, copy=True)
             problems.copy_(problems.new_tensor([replaced, self._late]))
             if shared:
@@ -345,14 +346,6 @@ def _holds_copy(stage: nn.Module, name: str) -> bool:
     return read or any(True for _ in module.parameters())
 
 
-def _stages_key(stages: list[nn.Module]) -> list[tuple[list[str], list[str]]]:
-    """What tells a rank's stages apart: each stage's parameter names and TiedLinear paths."""
-    return [
-        (sorted(n for n, _ in stage.named_parameters()), sorted(p for p, _ in _tied_linears(stage)))
-        for stage in stages
-    ]
-
-
 def _refuse_replicas(checks: list[Any]) -> None:
     """Refuse two ranks holding the same copies: replicas of one stage (not copy-less ones)."""
     seen: dict[str, int] = {}
@@ -380,11 +373,10 @@ _UNLIKE = {
 }
 
 
-def _refuse_unlike(name: str, copies: list[tuple[int, _Layout]]) -> None:
-    """Refuse copies of ``name`` (group rank, layout) that differ in shape, dtype or shard."""
-    (rank0, first), *others = copies
-    for field, (what, fix) in _UNLIKE.items():
-        for rank, layout in others:
+def _refuse_unlike(copies: dict[str, list[tuple[int, _Layout]]]) -> None:
+    """Refuse copies of a name (group rank, layout) that differ in shape, dtype or shard."""
+    for name, ((rank0, first), *others) in copies.items():
+        for (field, (what, fix)), (rank, layout) in itertools.product(_UNLIKE.items(), others):
             if getattr(layout, field) != getattr(first, field):
                 raise ValueError(
                     f"PipelineTie needs every copy of the tied weight '{name}.weight' to have one "
