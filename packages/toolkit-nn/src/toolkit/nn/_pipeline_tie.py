@@ -24,12 +24,10 @@ __all__ = ["PipelineTie"]
 class PipelineTie:
     """The copies of a TiedLinear's tied module on several pipeline stages, kept one weight.
 
-    Split by deep copies, a tied language model holds its embedding on the first stage and on
-    the last. The first copy is the weight: ``reduce_grads()`` moves every copy's gradient into
-    it, the optimizer steps it (the others hold no gradient, so no optimizer state), and
-    ``broadcast()`` copies it to the others. Every rank of ``group`` constructs the tie and
-    calls its methods. The [pipeline parallelism guide][pipeline-parallelism-with-a-tied-head]
-    shows the loop.
+    The first copy is the weight: ``reduce_grads()`` moves every copy's gradient into it, the
+    optimizer steps it (the others hold no gradient, so no optimizer state), and ``broadcast()``
+    copies it to the others. Every rank of ``group`` constructs the tie and calls its methods.
+    The [pipeline parallelism guide][pipeline-parallelism-with-a-tied-head] shows the loop.
 
     Args:
         stages: This rank's stage modules (one, or several for looped and V-shaped
@@ -82,8 +80,7 @@ class PipelineTie:
         gathered = _gather_objects(_local_ties(modules), self.group)
         _refuse_problems(gathered)
         self.names = tuple(sorted({n for _, names in gathered for n in names}))
-        # Each copy's path from its stage: under fully_shard its Parameter as found now is the
-        # sharded one, which the optimizer steps and FSDP2 adds the gradients into.
+        # Each copy's path; under fully_shard its Parameter now is the sharded one, which trains.
         self._paths = {n: [_path(m, n) for m in modules if _holds_copy(m, n)] for n in self.names}
         problem, layouts = _copies_problem(self._paths)
         # What tells a rank's stages apart: each one's parameter names and TiedLinear paths.
@@ -122,7 +119,9 @@ class PipelineTie:
         if name in self._shared:
             layout = self._layouts[name]
             if tensor is None:
-                tensor = torch.empty(layout.local_shape, dtype=layout.dtype, device=self._device)
+                tensor = torch.empty(
+                    layout.local_shard_shape, dtype=layout.dtype, device=self._device
+                )
             dist.broadcast(tensor, group=self.group, group_src=self._first[name])
         return tensor
 
@@ -144,10 +143,9 @@ class PipelineTie:
     def reduce_grads(self) -> None:
         """Move every copy's gradient into the first copy, which then holds their sum.
 
-        Call it on every rank after the schedule's ``step``, before unscaling, clipping and
-        ``optimizer.step()``; after each step that accumulates, once, or twice: the other copies
-        are left with ``None``, so nothing moves twice. One ``all_reduce`` over the group (none
-        when one rank holds every copy): the gradients' local shards and a check of the copies.
+        On every rank after the schedule's ``step``, before unscaling, clipping and the optimizer;
+        after each step that accumulates, once, or twice: nothing moves twice. One ``all_reduce``
+        (none when one rank holds every copy): the gradients' local shards and checks.
 
         Raises:
             ValueError: On every rank, if a copy's Parameter was replaced since set-up (by
@@ -161,7 +159,7 @@ class PipelineTie:
             # a rank has a gradient, a frozen copy, a copy that trains, and each copy's checksum
             # in 8 slots of its own; whether a copy was replaced or late (see _refuse).
             shared = [n for n in self.names if n in self._shared]
-            shapes = [self._layouts[n].local_shape for n in shared]
+            shapes = [self._layouts[n].local_shard_shape for n in shared]
             checks = [3 + 8 * sum(self._copies[n]) for n in self.names]
             grads = [math.prod(shape) for shape in shapes]
             sizes = [*grads, *checks, 2]
@@ -243,8 +241,8 @@ class PipelineTie:
         """Verify that every copy (its local shard) equals the first, on every rank.
 
         Raises:
-            RuntimeError: On every rank, if a copy differs, naming the tied module, the
-                group rank, the copy, the first differing element and both values.
+            RuntimeError: On every rank, if a copy differs, naming the weight, the group rank,
+                the copy, the first differing element and both values.
         """
         found: list[str] = []
         with torch.no_grad():
@@ -361,27 +359,25 @@ def _refuse_replicas(checks: list[Any]) -> None:
             )
 
 
-_UNLIKE = {
-    "shape": ("shape", "build every stage from the same model"),
-    "dtype": ("dtype", "give every stage's copy one dtype, such as with stage.to(dtype)"),
-    "local_shape": (
-        "local shard shape",
-        "shard every stage's copy alike over the same data-parallel mesh, as "
-        'fully_shard(stage, mesh=mesh["dp"]) does, and pass the pipeline\'s group, such as '
-        'group=mesh["pp"]',
-    ),
+_UNLIKE = {  # a _Layout's field and the fix
+    "shape": "build every stage from the same model",
+    "dtype": "give every stage's copy one dtype, such as with stage.to(dtype)",
+    "local_shard_shape": "shard every stage's copy alike over the same data-parallel mesh, as "
+    'fully_shard(stage, mesh=mesh["dp"]) does, and pass the pipeline\'s group, such as '
+    'group=mesh["pp"]',
 }
 
 
 def _refuse_unlike(copies: dict[str, list[tuple[int, _Layout]]]) -> None:
     """Refuse copies of a name (group rank, layout) that differ in shape, dtype or shard."""
     for name, ((rank0, first), *others) in copies.items():
-        for (field, (what, fix)), (rank, layout) in itertools.product(_UNLIKE.items(), others):
-            if getattr(layout, field) != getattr(first, field):
+        for (field, fix), (rank, layout) in itertools.product(_UNLIKE.items(), others):
+            want, got = getattr(first, field), getattr(layout, field)
+            if got != want:
                 raise ValueError(
                     f"PipelineTie needs every copy of the tied weight '{name}.weight' to have one "
-                    f"{what}, but group rank {rank0} has {getattr(first, field)} and group rank "
-                    f"{rank} has {getattr(layout, field)}; {fix}"
+                    f"{field.replace('_', ' ')}, but group rank {rank0} has {want} and group rank "
+                    f"{rank} has {got}; {fix}"
                 )
 
 
@@ -389,7 +385,7 @@ class _Layout(NamedTuple):
     """A copy of a tied weight as a rank holds it: its shape, local shard and dtype."""
 
     shape: tuple[int, ...]
-    local_shape: tuple[int, ...]
+    local_shard_shape: tuple[int, ...]
     dtype: torch.dtype
 
 
