@@ -38,11 +38,9 @@ class PipelineTie:
             ``mesh["pp"]``. Default: the default process group.
 
     Raises:
-        ValueError: On every rank of ``group``, naming the fix, if there is no TiedLinear, one
-            reads a module not registered in its stage, the copies differ in shape, dtype or
-            local shard, two stages share one weight, a tied module has other parameters, a
-            copy under ``fully_shard`` is unsharded, or two ranks hold the same stages; on a
-            rank outside ``group``, saying so.
+        ValueError: On every rank of ``group``, naming the fix, if a copy cannot be kept (not
+            registered, unsharded, with other parameters, shared, unlike the others), there is
+            no TiedLinear, or two ranks hold the same stages; on a rank outside it, saying so.
 
     Added in version v3.58.0.
 
@@ -117,11 +115,9 @@ class PipelineTie:
     def _source(self, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """The weight's local value: ``tensor``, this rank's first copy or None, broadcast to."""
         if name in self._shared:
-            layout = self._layouts[name]
+            copy = self._layouts[name]  # the first copy's
             if tensor is None:
-                tensor = torch.empty(
-                    layout.local_shard_shape, dtype=layout.dtype, device=self._device
-                )
+                tensor = torch.empty(copy.local_shard_shape, dtype=copy.dtype, device=self._device)
             dist.broadcast(tensor, group=self.group, group_src=self._first[name])
         return tensor
 
@@ -148,10 +144,10 @@ class PipelineTie:
         (none when one rank holds every copy): the gradients' local shards and checks.
 
         Raises:
-            ValueError: On every rank, if a copy's Parameter was replaced since set-up (by
-                ``fully_shard`` after it, say), or a tied weight is frozen in some copies only.
-            RuntimeError: On every rank, if the copies differ (no ``broadcast()`` after a
-                step or load), or a copy but the first held a gradient at ``broadcast()``.
+            ValueError: On every rank, if a copy's Parameter was replaced since set-up, or a
+                tied weight is frozen in some copies only.
+            RuntimeError: On every rank, if the copies differ (no ``broadcast()`` after a step
+                or load), or a copy but the first held a gradient at ``broadcast()``.
             Nothing is changed; where one rank holds every copy, it alone raises.
         """
         with torch.no_grad():
@@ -162,17 +158,15 @@ class PipelineTie:
             shapes = [self._layouts[n].local_shard_shape for n in shared]
             checks = [3 + 8 * sum(self._copies[n]) for n in self.names]
             grads = [math.prod(shape) for shape in shapes]
-            sizes = [*grads, *checks, 2]
-            flat = torch.zeros(sum(sizes), dtype=self._dtype, device=self._device)
-            *parts, problems = torch.split(flat, sizes)
+            flat = torch.zeros(sum(grads) + sum(checks) + 2, dtype=self._dtype, device=self._device)
+            *parts, problems = torch.split(flat, [*grads, *checks, 2])
             totals = {n: p.view(shape) for n, p, shape in zip(shared, parts, shapes, strict=False)}
             replaced = False
             for name, check in zip(self.names, parts[len(shared) :], strict=True):
                 params = self._params[name]
-                check[:3] = check.new_tensor(
-                    [any(p.grad is not None for p in params)]
-                    + [any(p.requires_grad is f for p in params) for f in (False, True)]
-                )
+                trains = [p.requires_grad for p in params]
+                held = any(p.grad is not None for p in params)
+                check[:3] = check.new_tensor([held, not all(trains), any(trains)])
                 start = 3 + 8 * sum(self._copies[name][: self._rank])
                 for path, param in zip(self._paths[name], params, strict=True):
                     replaced = replaced or _replaced(path, param)
@@ -187,8 +181,7 @@ class PipelineTie:
                 dist.all_reduce(flat, group=self.group)
             found = iter(flat[sum(grads) :].tolist())  # the one host sync
             checked = [list(itertools.islice(found, n)) for n in checks]
-            replaced, late = found
-            self._refuse(replaced, late, checked)
+            self._refuse(checked, *found)  # and whether a copy was replaced, or late
             for name, (counted, *_) in zip(self.names, checked, strict=True):
                 if not counted:  # no rank has a gradient: every copy keeps None
                     continue
@@ -201,7 +194,7 @@ class PipelineTie:
                 if keeps:
                     _local(params[0].grad).copy_(totals[name])  # type: ignore[arg-type]
 
-    def _refuse(self, replaced: float, late: float, checked: list[list[float]]) -> None:
+    def _refuse(self, checked: list[list[float]], replaced: float, late: float) -> None:
         """Raise the first problem that the ranks found, the same on every rank."""
         if replaced:
             raise ValueError(
