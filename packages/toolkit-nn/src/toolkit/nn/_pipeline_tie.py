@@ -81,7 +81,6 @@ class PipelineTie:
         # Each copy's path; under fully_shard its Parameter now is the sharded one, which trains.
         self._paths = {n: [_path(m, n) for m in modules if _holds_copy(m, n)] for n in self.names}
         problem, layouts = _copies_problem(self._paths)
-        # What tells a rank's stages apart: each one's parameter names and TiedLinear paths.
         key = [
             (sorted(dict(m.named_parameters())), sorted(dict(_tied_linears(m)))) for m in modules
         ]
@@ -151,9 +150,7 @@ class PipelineTie:
             Nothing is changed; where one rank holds every copy, it alone raises.
         """
         with torch.no_grad():
-            # One buffer: the gradient of each weight that several ranks hold; per name whether
-            # a rank has a gradient, a frozen copy, a copy that trains, and each copy's checksum
-            # in 8 slots of its own; whether a copy was replaced or late (see _refuse).
+            # One buffer: the gradients several ranks hold, each name's flags and checksums, 2 more.
             shared = [n for n in self.names if n in self._shared]
             shapes = [self._layouts[n].local_shard_shape for n in shared]
             checks = [3 + 8 * sum(self._copies[n]) for n in self.names]
@@ -338,7 +335,7 @@ def _holds_copy(stage: nn.Module, name: str) -> bool:
 
 
 def _refuse_replicas(checks: list[Any]) -> None:
-    """Refuse two ranks holding the same copies: replicas of one stage (not copy-less ones)."""
+    """Refuse two ranks with copies whose stages have the same parameters and TiedLinears."""
     seen: dict[str, int] = {}
     for rank, (_, held, key) in enumerate(checks):
         first = seen.setdefault(repr(key), rank) if held else rank
@@ -347,8 +344,7 @@ def _refuse_replicas(checks: list[Any]) -> None:
                 f"PipelineTie found the same stages on group ranks {first} and {rank}: its group "
                 "holds replicas of a stage, as the default group (the world) does under data "
                 "parallelism, and it would sum their tied gradients as the copies of different "
-                "stages. Pass the pipeline's group, one rank per stage, such as "
-                'group=mesh["pp"]'
+                'stages. Pass the pipeline\'s group, one rank per stage, such as group=mesh["pp"]'
             )
 
 
@@ -388,8 +384,7 @@ def _copies_problem(
     """The first problem with this rank's copies, and the layout of each copy it holds."""
     layouts: dict[str, list[_Layout]] = {}
     for name, paths in paths_by_name.items():
-        problem = next(filter(None, (_copy_problem(name, path) for path in paths)), None)
-        if problem is not None:
+        for problem in filter(None, (_copy_problem(name, path) for path in paths)):
             return problem, {}
         weights = [path[-1].get_parameter("weight") for path in paths]
         if len({id(w) for w in weights}) < len(weights):
@@ -410,8 +405,7 @@ def _copy_problem(name: str, path: list[nn.Module]) -> str | None:
     """What makes the copy at the end of ``path`` one that the tie cannot keep, or None."""
     copy = path[-1]
     described = f"its tied module '{name}' ({_describe(copy)})"
-    others = sorted(n for n, _ in copy.named_parameters() if n != "weight")
-    if others:
+    if others := sorted(n for n, _ in copy.named_parameters() if n != "weight"):
         return (
             f"{described} has parameters other than its weight: {others}; only the weight is "
             "shared between stages, so tie to a module whose only parameter is the weight"
