@@ -107,8 +107,9 @@ REFUSED: dict[str, tuple[Callable[[], Any], str | tuple[str, ...]]] = {
     "deleted": (deleted_weight, ("'table'", "not a Parameter but a NoneType")),
     "shapes": (
         other_shapes,
-        "PipelineTie refused group rank 0's stages: its copies of 'emb' differ in shape; build "
-        "every stage from the same model",
+        "PipelineTie needs every copy of the tied weight 'emb.weight' to have one shape, but "
+        "group rank 0 has (17, 8) and group rank 0 has (5, 8); build every stage from the same "
+        "model",
     ),
 }
 

@@ -86,8 +86,8 @@ REFUSED: dict[str, str | tuple[str, ...]] = {
         "stage)"
     ),
     "shapes": (
-        "PipelineTie needs every copy of the tied weights to have one shape, but group rank 0 has "
-        "{'emb': (17, 8)} and group rank 1 has {'emb': (5, 8)}; build every stage from the same "
+        "PipelineTie needs every copy of the tied weight 'emb.weight' to have one shape, but "
+        "group rank 0 has (17, 8) and group rank 1 has (5, 8); build every stage from the same "
         "model"
     ),
     "replicas": (
@@ -97,8 +97,8 @@ REFUSED: dict[str, str | tuple[str, ...]] = {
         'rank per stage, such as group=mesh["pp"]'
     ),
     "dtype": (
-        "PipelineTie needs every copy of the tied weights to have one dtype, but group rank 0 has "
-        "{'emb': torch.float32} and group rank 1 has {'emb': torch.float64}; give every stage's "
+        "PipelineTie needs every copy of the tied weight 'emb.weight' to have one dtype, but "
+        "group rank 0 has torch.float32 and group rank 1 has torch.float64; give every stage's "
         "copy one dtype, such as with stage.to(dtype)"
     ),
 }
@@ -122,8 +122,8 @@ def test_copies_sharded_differently_are_refused_on_every_rank_with_the_fix() -> 
     assert (
         run_threads(2, rank_main)
         == [
-            "PipelineTie needs every copy of the tied weights to have one local shard shape, but "
-            "group rank 0 has {'emb': (9, 8)} and group rank 1 has {'emb': (8, 8)}; shard every "
+            "PipelineTie needs every copy of the tied weight 'emb.weight' to have one local shard "
+            "shape, but group rank 0 has (9, 8) and group rank 1 has (8, 8); shard every "
             "stage's copy alike over the same data-parallel mesh, as fully_shard(stage, "
             'mesh=mesh["dp"]) does, and pass the pipeline\'s group, such as group=mesh["pp"]'
         ]

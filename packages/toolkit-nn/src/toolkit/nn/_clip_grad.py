@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from toolkit.nn._common import _detail, _gather_objects, _is_dtensor
+from toolkit.nn._common import _detail, _gather_objects, _is_dtensor, _process_group
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -177,15 +177,9 @@ def pipeline_clip_grad_norm_(
 def _pipeline_group(
     group: dist.ProcessGroup | DeviceMesh | None, tie: PipelineTie | None
 ) -> dist.ProcessGroup:
-    if isinstance(group, dist.ProcessGroup):
-        return group
-    if group is not None:  # a DeviceMesh
-        if group.ndim != 1:
-            raise ValueError(
-                "pipeline_clip_grad_norm_ needs a 1-D DeviceMesh of the pipeline ranks, got a "
-                f'{group.ndim}-D mesh; pass the pipeline dimension, such as mesh["pp"]'
-            )
-        return group.get_group()
+    pipeline = _process_group(group, "pipeline_clip_grad_norm_")
+    if pipeline is not None:
+        return pipeline
     if tie is not None:
         return tie.group
     size = dist.get_world_size()

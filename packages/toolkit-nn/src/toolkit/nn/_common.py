@@ -2,7 +2,8 @@
 
 The DTensor test, whether ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` asks for checks, a module's
 one-line description, the module that computes a TiedLinear
-head's ``x @ weight.T``, and the gathering of each rank's Python object.
+head's ``x @ weight.T``, a pipeline's process group from a 1-D mesh, and the gathering of each
+rank's Python object.
 
 This is the one module whose private names other modules of the package import.
 """
@@ -11,12 +12,15 @@ from __future__ import annotations
 
 import pickle
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def _is_dtensor(tensor: object) -> bool:
@@ -48,6 +52,22 @@ class _Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
+
+
+def _process_group(
+    group: dist.ProcessGroup | DeviceMesh | None, caller: str
+) -> dist.ProcessGroup | None:
+    """The process group of ``group``, a 1-D DeviceMesh of the pipeline's ranks, or itself."""
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 - needs distributed
+
+    if not isinstance(group, DeviceMesh):
+        return group
+    if group.ndim != 1:
+        raise ValueError(
+            f"{caller} needs a 1-D DeviceMesh of the pipeline ranks, got a {group.ndim}-D mesh; "
+            'pass the pipeline dimension, such as mesh["pp"]'
+        )
+    return group.get_group()
 
 
 def _gather_objects(obj: object, group: dist.ProcessGroup | None) -> list[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.nn._common import _describe, _gather_objects, _is_dtensor
+from toolkit.nn._common import _describe, _gather_objects, _is_dtensor, _process_group
 from toolkit.nn._tied_linear import TiedLinear
 
 if TYPE_CHECKING:
@@ -23,13 +24,10 @@ __all__ = ["PipelineTie"]
 class PipelineTie:
     """The copies of a TiedLinear's tied module on several pipeline stages, kept one weight.
 
-    Split by deep copies, a tied language model holds its embedding on the first stage and on
-    the last, each copy under the model's qualified name. The first copy is the weight: after
-    the schedule's ``step``, ``reduce_grads()`` moves every copy's gradient into it (one
-    ``all_reduce``); the optimizer steps it; ``broadcast()`` copies it to the others. The other
-    copies hold no gradient at the step, so the optimizer keeps no state for them. Every rank
-    of ``group`` constructs the tie and calls its methods; ranks without a copy take part. The
-    [pipeline parallelism guide][pipeline-parallelism-with-a-tied-head] shows the loop.
+    The first copy is the weight: ``reduce_grads()`` moves every copy's gradient into it, the
+    optimizer steps it (the others hold no gradient, so no optimizer state), and ``broadcast()``
+    copies it to the others. Every rank of ``group`` constructs the tie and calls its methods.
+    The [pipeline parallelism guide][pipeline-parallelism-with-a-tied-head] shows the loop.
 
     Args:
         stages: This rank's stage modules (one, or several for looped and V-shaped
@@ -40,11 +38,9 @@ class PipelineTie:
             ``mesh["pp"]``. Default: the default process group.
 
     Raises:
-        ValueError: On every rank of ``group``, naming the fix, if a TiedLinear reads a
-            module not registered in its stage, there is none, the copies differ in shape,
-            dtype or local shard, two stages share one weight, a tied module has other
-            parameters, a copy under ``fully_shard`` is unsharded, or two ranks hold the
-            same stages. On a rank outside ``group``, saying so.
+        ValueError: On every rank of ``group``, naming the fix, if a copy cannot be kept (not
+            registered, unsharded, with other parameters, shared, unlike the others), there is
+            no TiedLinear, or two ranks hold the same stages; on a rank outside it, saying so.
 
     Added in version v3.58.0.
 
@@ -71,7 +67,7 @@ class PipelineTie:
         group: dist.ProcessGroup | DeviceMesh | None = None,
     ) -> None:
         modules = [_unwrap(m) for m in ([stages] if isinstance(stages, nn.Module) else stages)]
-        self.group = _process_group(group)
+        self.group = _process_group(group, "PipelineTie") or dist.group.WORLD  # type: ignore[assignment]
         self._rank = dist.get_rank(self.group)
         if self._rank < 0:
             raise ValueError(
@@ -82,8 +78,13 @@ class PipelineTie:
         gathered = _gather_objects(_local_ties(modules), self.group)
         _refuse_problems(gathered)
         self.names = tuple(sorted({n for _, names in gathered for n in names}))
-        problem, layouts = _copies_problem(modules, self.names)
-        checks = _gather_objects((problem, layouts, _stages_key(modules)), self.group)
+        # Each copy's path; under fully_shard its Parameter now is the sharded one, which trains.
+        self._paths = {n: [_path(m, n) for m in modules if _holds_copy(m, n)] for n in self.names}
+        problem, layouts = _copies_problem(self._paths)
+        key = [
+            (sorted(dict(m.named_parameters())), sorted(dict(_tied_linears(m)))) for m in modules
+        ]
+        checks = _gather_objects((problem, layouts, key), self.group)
         if not self.names:
             raise ValueError(
                 "PipelineTie found no TiedLinear in the stages of any rank of the group; "
@@ -91,57 +92,42 @@ class PipelineTie:
             )
         _refuse_problems(checks)
         _refuse_replicas(checks)
-        # Per name, the ranks holding copies (a TiedLinear reads one on its own stage, so every
-        # name is held somewhere), and how many each holds, in group-rank order.
-        self._counts = {
-            name: {r: held[name].copies for r, (_, held, _) in enumerate(checks) if name in held}
-            for name in self.names
+        # Per name, every copy's group rank and layout in group-rank order; the first is the weight.
+        copies = {
+            n: [(r, x) for r, (_, held, _) in enumerate(checks) for x in held.get(n, ())]
+            for n in self.names
         }
-        self._layouts: dict[str, _Layout] = {}
-        for name, counts in self._counts.items():
-            first, *others = counts
-            self._layouts[name] = checks[first][1][name]
-            for rank in others:
-                _refuse_unlike(name, (first, checks[first][1]), (rank, checks[rank][1]))
-        # Each copy's path from its stage, and its Parameter as found now: under fully_shard the
-        # sharded one, which the optimizer steps and FSDP2 adds the gradients into.
-        self._paths = {n: [_path(m, n) for m in modules if _holds_copy(m, n)] for n in self.names}
-        self._params = {n: [_weight(p[-1]) for p in paths] for n, paths in self._paths.items()}
-        self._shared = [name for name in self.names if len(self._counts[name]) > 1]
-        self._dtype = functools.reduce(
-            torch.promote_types, [x.dtype for x in self._layouts.values()]
-        )
-        params = (p for m in modules for p in m.parameters())  # the copies among them
-        self._device = next(params, torch.empty(0)).device
+        _refuse_unlike(copies)
+        self._first = {n: held[0][0] for n, held in copies.items()}
+        self._layouts = {n: held[0][1] for n, held in copies.items()}
+        self._copies = {n: [len(h.get(n, ())) for _, h, _ in checks] for n in self.names}
+        self._shared = {n for n, held in copies.items() if held[-1][0] != self._first[n]}
+        self._params = {
+            n: [p[-1].get_parameter("weight") for p in ps] for n, ps in self._paths.items()
+        }
+        dtypes = [layout.dtype for layout in self._layouts.values()]
+        self._dtype = functools.reduce(torch.promote_types, dtypes)
+        self._device = next((p for m in modules for p in m.parameters()), torch.empty(0)).device
+        self.broadcast()
         self._late = False  # whether a copy but the first held a gradient at broadcast()
-        self._broadcast()
-
-    def _first(self, name: str) -> int:
-        """The group rank whose first copy of ``name`` is the weight."""
-        return min(self._counts[name])
 
     def _source(self, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """The weight's local value: ``tensor``, this rank's first copy or None, broadcast to."""
         if name in self._shared:
-            layout = self._layouts[name]
+            copy = self._layouts[name]  # the first copy's
             if tensor is None:
-                tensor = torch.empty(layout.local_shape, dtype=layout.dtype, device=self._device)
-            dist.broadcast(tensor, group=self.group, group_src=self._first(name))
+                tensor = torch.empty(copy.local_shard_shape, dtype=copy.dtype, device=self._device)
+            dist.broadcast(tensor, group=self.group, group_src=self._first[name])
         return tensor
 
     def broadcast(self) -> None:
         """Make every copy equal to the first: on every rank, after each ``optimizer.step()``.
 
-        Also after a loss scaler's skipped step, and after any load other than with DCP. One
+        Also after a loss scaler's skipped step and any load other than with DCP; before
+        ``zero_grad()``, so that the next ``reduce_grads()`` can tell a gradient it missed. One
         ``broadcast`` per tied weight that several ranks hold (its local shard under FSDP2).
-        Call it before ``zero_grad()``: a copy but the first holding a gradient here had a
-        backward after ``reduce_grads()``, or none was called, and the step missed that
-        gradient; the next ``reduce_grads()`` says so.
         """
         self._late = any(p.grad is not None for p in self.duplicates())
-        self._broadcast()
-
-    def _broadcast(self) -> None:
         with torch.no_grad():
             for name in self.names:
                 weights = [_local(p) for p in self._params[name]]
@@ -152,90 +138,75 @@ class PipelineTie:
     def reduce_grads(self) -> None:
         """Move every copy's gradient into the first copy, which then holds their sum.
 
-        Call it on every rank after the schedule's ``step``, before unscaling, clipping and
-        ``optimizer.step()``. The other copies are left with ``None``: it may be called after
-        each schedule step that accumulates, once, or twice, and moves nothing twice. A tied
-        weight without a gradient keeps ``None``. One ``all_reduce`` over the group (none when
-        one rank holds every copy): the gradients' local shards and a check of the copies.
+        On every rank after the schedule's ``step``, before unscaling, clipping and the optimizer;
+        after each step that accumulates, once, or twice: nothing moves twice. One ``all_reduce``
+        (none when one rank holds every copy): the gradients' local shards and checks.
 
         Raises:
-            ValueError: On every rank, if a copy's Parameter was replaced since set-up (by
-                ``fully_shard`` after it, say), or a tied weight is frozen in some copies only.
-            RuntimeError: On every rank, if the copies differ (no ``broadcast()`` after a
-                step or load), or a copy but the first held a gradient at ``broadcast()``.
+            ValueError: On every rank, if a copy's Parameter was replaced since set-up, or a
+                tied weight is frozen in some copies only.
+            RuntimeError: On every rank, if the copies differ (no ``broadcast()`` after a step
+                or load), or a copy but the first held a gradient at ``broadcast()``.
                 Nothing is changed; where one rank holds every copy, it alone raises.
         """
         with torch.no_grad():
-            sizes = [math.prod(self._layouts[name].local_shape) for name in self._shared]
-            slots = [8 * sum(self._counts[name].values()) for name in self.names]
-            flat = torch.zeros(
-                sum(sizes) + 3 * len(self.names) + sum(slots) + 2,
-                dtype=self._dtype,
-                device=self._device,
-            )
-            *parts, flags, sums, problems = torch.split(
-                flat, [*sizes, 3 * len(self.names), sum(slots), 2]
-            )
-            totals = {
-                n: p.view(self._layouts[n].local_shape)
-                for n, p in zip(self._shared, parts, strict=True)
-            }
+            # One buffer: the gradients several ranks hold, each name's flags and checksums, 2 more.
+            shared = [n for n in self.names if n in self._shared]
+            shapes = [self._layouts[n].local_shard_shape for n in shared]
+            checks = [3 + 8 * sum(self._copies[n]) for n in self.names]
+            grads = [math.prod(shape) for shape in shapes]
+            flat = torch.zeros(sum(grads) + sum(checks) + 2, dtype=self._dtype, device=self._device)
+            *parts, problems = torch.split(flat, [*grads, *checks, 2])
+            totals = {n: p.view(shape) for n, p, shape in zip(shared, parts, shapes, strict=False)}
             replaced = False
-            for name, flag, checksums in zip(
-                self.names, torch.split(flags, 3), torch.split(sums, slots), strict=True
-            ):
-                total = totals.setdefault(name, flat.new_zeros(self._layouts[name].local_shape))
+            for name, check in zip(self.names, parts[len(shared) :], strict=True):
                 params = self._params[name]
-                # The ranks with a gradient, with a frozen copy, with a copy that trains; and in
-                # slots of its own (to which the sum adds zeros), each copy's checksum.
-                flag.copy_(
-                    flag.new_tensor(
-                        [any(p.grad is not None for p in params)]
-                        + [any(p.requires_grad is f for p in params) for f in (False, True)]
-                    )
-                )
-                start = 8 * sum(n for r, n in self._counts[name].items() if r < self._rank)
+                trains = [p.requires_grad for p in params]
+                held = any(p.grad is not None for p in params)
+                check[:3] = check.new_tensor([held, not all(trains), any(trains)])
+                start = 3 + 8 * sum(self._copies[name][: self._rank])
                 for path, param in zip(self._paths[name], params, strict=True):
                     replaced = replaced or _replaced(path, param)
-                    checksums[start : start + 8] = _checksum(_local(param))
+                    check[start : start + 8] = _checksum(_local(param))
                     start += 8
-                    if param.grad is not None:
-                        total.add_(_local(param.grad))
+                    if param.grad is not None and name in totals:
+                        totals[name].add_(_local(param.grad))
+                    elif param.grad is not None:  # held here alone: no buffer on other ranks
+                        totals[name] = _local(param.grad).to(self._dtype, copy=True)
             problems.copy_(problems.new_tensor([replaced, self._late]))
-            if self._shared:
+            if shared:
                 dist.all_reduce(flat, group=self.group)
-            present, frozen, trained = flags.view(-1, 3).T.tolist()
-            differ = [bool((c.view(-1, 8) != c[:8]).any()) for c in torch.split(sums, slots)]
-            self._refuse(
-                problems.tolist(), [f * t for f, t in zip(frozen, trained, strict=True)], differ
-            )
-            for name, counted in zip(self.names, present, strict=True):
+            found = iter(flat[sum(grads) :].tolist())  # the one host sync
+            checked = [list(itertools.islice(found, n)) for n in checks]
+            self._refuse(checked, *found)  # and whether a copy was replaced, or late
+            for name, (counted, *_) in zip(self.names, checked, strict=True):
+                if not counted:  # no rank has a gradient: every copy keeps None
+                    continue
                 params = self._params[name]
-                keeps = self._rank == self._first(name)  # this rank's first copy is the weight
-                for param in params[keeps:] if counted else ():  # else: every copy keeps None
+                keeps = self._rank == self._first[name]  # this rank's first copy is the weight
+                for param in params[1:] if keeps else params:
                     param.grad = None
-                if counted and keeps and params[0].grad is None:
-                    params[0].grad = _like(params[0], totals[name].to(params[0].dtype, copy=True))
-                elif counted and keeps:
+                if keeps and params[0].grad is None:
+                    params[0].grad = torch.zeros_like(params[0])  # a DTensor as the weight is
+                if keeps:
                     _local(params[0].grad).copy_(totals[name])  # type: ignore[arg-type]
 
-    def _refuse(self, problems: list[float], mixed: list[float], differ: list[bool]) -> None:
+    def _refuse(self, checked: list[list[float]], replaced: float, late: float) -> None:
         """Raise the first problem that the ranks found, the same on every rank."""
-        replaced, late = problems
         if replaced:
             raise ValueError(
                 "PipelineTie.reduce_grads() found a tied copy whose Parameter is not the one the "
                 "tie was built with (fully_shard after it, say); build it after wrapping the stages"
             )
-        for name, both, differs in zip(self.names, mixed, differ, strict=True):
-            if both:
+        for name, (_, frozen, trained, *sums) in zip(self.names, checked, strict=True):
+            if frozen and trained:
                 raise ValueError(
                     f"PipelineTie.reduce_grads() found copies of the tied weight '{name}.weight' "
                     "frozen beside copies that train; one Parameter in one model, it is frozen "
                     f"or not: call stage.get_submodule('{name}').weight.requires_grad_(...) on "
                     "every stage alike"
                 )
-            if differs:
+            if any(sums[i : i + 8] != sums[:8] for i in range(8, len(sums), 8)):
                 raise RuntimeError(
                     f"PipelineTie.reduce_grads() found the copies of '{name}.weight' unequal: "
                     "call tie.broadcast() after every optimizer.step() and non-DCP load; this "
@@ -254,14 +225,14 @@ class PipelineTie:
     def duplicates(self) -> Iterator[nn.Parameter]:
         """The copies not counted in a norm over the pipeline: all but the first stage's."""
         for name, params in self._params.items():
-            yield from params[1:] if self._rank == self._first(name) else params
+            yield from params[1:] if self._rank == self._first[name] else params
 
     def check(self) -> None:
         """Verify that every copy (its local shard) equals the first, on every rank.
 
         Raises:
-            RuntimeError: On every rank, if a copy differs, naming the tied module, the
-                group rank, the copy, the first differing element and both values.
+            RuntimeError: On every rank, if a copy differs, naming the weight, the group rank,
+                the copy, the first differing element and both values.
         """
         found: list[str] = []
         with torch.no_grad():
@@ -277,7 +248,7 @@ class PipelineTie:
                         found.append(
                             f"the copies of the tied weight '{name}.weight' differ: copy {index} "
                             f"on group rank {self._rank} has {copy[at].item()!r} at index {at}, "
-                            f"where the first copy on group rank {self._first(name)} has "
+                            f"where the first copy on group rank {self._first[name]} has "
                             f"{first[at].item()!r} ({len(differs)} of {copy.numel()} elements "
                             "differ). Call PipelineTie.broadcast() after every optimizer step and "
                             "after loading a state dict other than with DCP"
@@ -296,10 +267,8 @@ class PipelineTie:
 
 def _path(stage: nn.Module, name: str) -> list[nn.Module]:
     """The modules from ``stage`` down to its submodule ``name``, both included."""
-    modules = [stage]
-    for part in name.split("."):
-        modules.append(modules[-1].get_submodule(part))
-    return modules
+    parts = itertools.accumulate(name.split("."), lambda a, b: f"{a}.{b}")
+    return [stage, *map(stage.get_submodule, parts)]
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -310,19 +279,6 @@ def _unwrap(module: nn.Module) -> nn.Module:
     while isinstance(module, DistributedDataParallel | OptimizedModule):
         module = module.module if isinstance(module, DistributedDataParallel) else module._orig_mod
     return module
-
-
-def _process_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessGroup:
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 - needs distributed
-
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(
-                f"PipelineTie needs a 1-D DeviceMesh of the pipeline ranks, got a {group.ndim}-D "
-                'mesh; pass the pipeline dimension, such as mesh["pp"]'
-            )
-        return group.get_group()
-    return group if group is not None else dist.group.WORLD  # type: ignore[return-value]
 
 
 def _tied_linears(stage: nn.Module) -> Iterator[tuple[str, TiedLinear]]:
@@ -378,16 +334,8 @@ def _holds_copy(stage: nn.Module, name: str) -> bool:
     return read or any(True for _ in module.parameters())
 
 
-def _stages_key(stages: list[nn.Module]) -> list[tuple[list[str], list[str]]]:
-    """What tells a rank's stages apart: each stage's parameter names and TiedLinear paths."""
-    return [
-        (sorted(n for n, _ in stage.named_parameters()), sorted(p for p, _ in _tied_linears(stage)))
-        for stage in stages
-    ]
-
-
 def _refuse_replicas(checks: list[Any]) -> None:
-    """Refuse two ranks holding the same copies: replicas of one stage (not copy-less ones)."""
+    """Refuse two ranks with copies whose stages have the same parameters and TiedLinears."""
     seen: dict[str, int] = {}
     for rank, (_, held, key) in enumerate(checks):
         first = seen.setdefault(repr(key), rank) if held else rank
@@ -396,57 +344,49 @@ def _refuse_replicas(checks: list[Any]) -> None:
                 f"PipelineTie found the same stages on group ranks {first} and {rank}: its group "
                 "holds replicas of a stage, as the default group (the world) does under data "
                 "parallelism, and it would sum their tied gradients as the copies of different "
-                "stages. Pass the pipeline's group, one rank per stage, such as "
-                'group=mesh["pp"]'
+                'stages. Pass the pipeline\'s group, one rank per stage, such as group=mesh["pp"]'
             )
 
 
-def _refuse_unlike(
-    name: str, first: tuple[int, dict[str, _Layout]], other: tuple[int, dict[str, _Layout]]
-) -> None:
-    """Refuse two ranks' copies of ``name`` that differ in shape, dtype or local shard."""
-    (rank0, layouts0), (rank1, layouts1) = first, other
-    for field, what, fix in (
-        ("shape", "shape", "build every stage from the same model"),
-        ("dtype", "dtype", "give every stage's copy one dtype, such as with stage.to(dtype)"),
-        (
-            "local_shape",
-            "local shard shape",
-            "shard every stage's copy alike over the same data-parallel mesh, as "
-            'fully_shard(stage, mesh=mesh["dp"]) does, and pass the pipeline\'s group, such as '
-            'group=mesh["pp"]',
-        ),
-    ):
-        if getattr(layouts0[name], field) != getattr(layouts1[name], field):
-            field0, field1 = (
-                {n: getattr(x, field) for n, x in ls.items()} for ls in (layouts0, layouts1)
-            )
-            raise ValueError(
-                f"PipelineTie needs every copy of the tied weights to have one {what}, but "
-                f"group rank {rank0} has {field0} and group rank {rank1} has {field1}; {fix}"
-            )
+_UNLIKE = {  # a _Layout's field and the fix
+    "shape": "build every stage from the same model",
+    "dtype": "give every stage's copy one dtype, such as with stage.to(dtype)",
+    "local_shard_shape": "shard every stage's copy alike over the same data-parallel mesh, as "
+    'fully_shard(stage, mesh=mesh["dp"]) does, and pass the pipeline\'s group, such as '
+    'group=mesh["pp"]',
+}
+
+
+def _refuse_unlike(copies: dict[str, list[tuple[int, _Layout]]]) -> None:
+    """Refuse copies of a name (group rank, layout) that differ in shape, dtype or shard."""
+    for name, ((rank0, first), *others) in copies.items():
+        for (field, fix), (rank, layout) in itertools.product(_UNLIKE.items(), others):
+            want, got = getattr(first, field), getattr(layout, field)
+            if got != want:
+                raise ValueError(
+                    f"PipelineTie needs every copy of the tied weight '{name}.weight' to have one "
+                    f"{field.replace('_', ' ')}, but group rank {rank0} has {want} and group rank "
+                    f"{rank} has {got}; {fix}"
+                )
 
 
 class _Layout(NamedTuple):
-    """A tied weight as one rank holds it: shape, local shard, dtype, copies on the rank."""
+    """A copy of a tied weight as a rank holds it: its shape, local shard and dtype."""
 
     shape: tuple[int, ...]
-    local_shape: tuple[int, ...]
+    local_shard_shape: tuple[int, ...]
     dtype: torch.dtype
-    copies: int
 
 
 def _copies_problem(
-    stages: list[nn.Module], names: tuple[str, ...]
-) -> tuple[str | None, dict[str, _Layout]]:
-    """The first problem with this rank's copies, and the layout of each tied weight it holds."""
-    layouts: dict[str, _Layout] = {}
-    for name in names:
-        paths = [_path(stage, name) for stage in stages if _holds_copy(stage, name)]
-        problem = next(filter(None, (_copy_problem(name, path) for path in paths)), None)
-        if problem is not None:
+    paths_by_name: dict[str, list[list[nn.Module]]],
+) -> tuple[str | None, dict[str, list[_Layout]]]:
+    """The first problem with this rank's copies, and the layout of each copy it holds."""
+    layouts: dict[str, list[_Layout]] = {}
+    for name, paths in paths_by_name.items():
+        for problem in filter(None, (_copy_problem(name, path) for path in paths)):
             return problem, {}
-        weights = [_weight(path[-1]) for path in paths]
+        weights = [path[-1].get_parameter("weight") for path in paths]
         if len({id(w) for w in weights}) < len(weights):
             return (
                 f"two of its stages share one weight object as the tied module '{name}', so "
@@ -454,15 +394,10 @@ def _copies_problem(
                 "each stage its own copy (copy.deepcopy of the whole model, one per stage)",
                 {},
             )
-        if any(w.shape != weights[0].shape for w in weights[1:]):
-            return (
-                f"its copies of '{name}' differ in shape; build every stage from the same model",
-                {},
-            )
         if weights:
-            local = _local(weights[0])
-            shapes = (tuple(weights[0].shape), tuple(local.shape))
-            layouts[name] = _Layout(*shapes, local.dtype, len(weights))
+            layouts[name] = [
+                _Layout(tuple(w.shape), tuple(_local(w).shape), w.dtype) for w in weights
+            ]
     return None, layouts
 
 
@@ -470,8 +405,7 @@ def _copy_problem(name: str, path: list[nn.Module]) -> str | None:
     """What makes the copy at the end of ``path`` one that the tie cannot keep, or None."""
     copy = path[-1]
     described = f"its tied module '{name}' ({_describe(copy)})"
-    others = sorted(n for n, _ in copy.named_parameters() if n != "weight")
-    if others:
+    if others := sorted(n for n, _ in copy.named_parameters() if n != "weight"):
         return (
             f"{described} has parameters other than its weight: {others}; only the weight is "
             "shared between stages, so tie to a module whose only parameter is the weight"
@@ -499,41 +433,18 @@ def _sharded(path: list[nn.Module]) -> bool:
 
 
 def _replaced(path: list[nn.Module], param: nn.Parameter) -> bool:
-    """Whether ``param``, the copy's Parameter at set-up, is no longer the one that trains.
-
-    Under ``fully_shard`` the module shows the unsharded Parameter between its forward and
-    its reshard; the sharded one of the set-up stays, unless the stage was sharded after it.
-    """
+    """Whether ``param``, the copy's Parameter at set-up, is no longer the one that trains."""
+    # Under fully_shard the module shows the unsharded one between its forward and reshard.
     return not _is_dtensor(param) if _sharded(path) else path[-1].weight is not param
 
 
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """The int64 sum of ``tensor``'s elements as integers, in 8 bytes: exact in any sum.
-
-    ``broadcast()`` makes the copies equal bit for bit; a step of one changes its checksum.
-    """
+    """The int64 sum of ``tensor``'s elements as integers, in 8 bytes: exact in any sum."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.itemsize]
     total = tensor.detach().view(bits).sum()  # any strides and storage offset; int64
     return (total >> torch.arange(0, 64, 8, device=tensor.device)) & 255
 
 
-def _weight(module: nn.Module) -> nn.Parameter:
-    """``module.weight``, a Parameter (checked at set-up)."""
-    weight = module.weight
-    assert isinstance(weight, nn.Parameter)
-    return weight
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard, any other tensor itself."""
     return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-
-
-def _like(weight: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a gradient for ``weight``: a DTensor laid out as ``weight`` if it is one."""
-    if not _is_dtensor(weight):
-        return local
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415 - needs distributed
-
-    mesh, placements = weight.device_mesh, weight.placements  # type: ignore[attr-defined]
-    return DTensor.from_local(local, mesh, placements, shape=weight.shape, stride=weight.stride())
