@@ -248,6 +248,7 @@ def test_the_copies_take_one_weights_steps_and_the_others_no_optimizer_state(
     whole = whole_model(initial_state())
     ours = torch.optim.AdamW([*first.parameters(), *last.parameters()], lr=0.1, weight_decay=0.5)
     theirs = torch.optim.AdamW(whole.parameters(), lr=0.1, weight_decay=0.5)
+    tie.broadcast()  # before any step, and twice after each: the copies are one weight either way
     for _ in range(3):
         ours.zero_grad(set_to_none=set_to_none)
         theirs.zero_grad(set_to_none=set_to_none)
@@ -256,6 +257,7 @@ def test_the_copies_take_one_weights_steps_and_the_others_no_optimizer_state(
         tie.reduce_grads()
         ours.step()
         theirs.step()
+        tie.broadcast()
         tie.broadcast()
     for stage in (first, last):
         torch.testing.assert_close(stage.emb.weight, whole.emb.weight)
@@ -352,28 +354,6 @@ def test_a_loop_without_reduce_grads_is_refused_at_the_next_step() -> None:
     with pytest.raises(RuntimeError, match=r"reduce_grads\(\) after the last backward"):
         tie.reduce_grads()
     assert last.emb.weight.grad is not None  # type: ignore[union-attr] # nothing moved
-
-
-def test_broadcasts_before_any_step_and_twice_after_one_train_as_one_process() -> None:
-    first, last = stages_of(0, 2)
-    tie = PipelineTie([first, last])
-    whole = whole_model(initial_state())
-    ours = torch.optim.AdamW([*first.parameters(), *last.parameters()], lr=0.1)
-    theirs = torch.optim.AdamW(whole.parameters(), lr=0.1)
-    tie.broadcast()
-    for _ in range(2):
-        two_stage_loss(first, last).backward()
-        whole(torch.tensor([[1, 2, 3]])).square().sum().backward()
-        tie.reduce_grads()
-        ours.step()
-        theirs.step()
-        tie.broadcast()
-        tie.broadcast()
-        ours.zero_grad()
-        theirs.zero_grad()
-    for stage in (first, last):
-        torch.testing.assert_close(stage.emb.weight, whole.emb.weight)
-    tie.reduce_grads()
 
 
 @pytest.mark.parametrize("compiled", [0, 1])
