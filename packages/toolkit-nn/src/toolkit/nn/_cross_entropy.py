@@ -431,7 +431,7 @@ def _chunk_logits(
     return z
 
 
-def _counted_chunks(
+def _chunks(
     x: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
@@ -443,55 +443,31 @@ def _counted_chunks(
     check: _SameCall | None = None,
     known: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``_chunks`` of the counted tokens only: the ignored ones' loss, statistics, gradient: 0.
-
-    Every rank of a shard has the same targets, so takes the same tokens. Under
-    ``torch.compile`` their number would be a dynamic shape, which breaks the graph, and
-    under grad mode (a backward that builds a graph) ``torch.func.vmap`` could not batch it:
-    there every token is taken, and ``_row_losses`` masks the ignored ones.
-    """
-    rows = None
-    if not (torch.compiler.is_compiling() or torch.is_grad_enabled()):
-        rows = (target != o.ignore_index).nonzero().squeeze(1)
-    if rows is None or len(rows) == len(target):
-        return _chunks(x, weight, target, o, row_weight, want_x, want_w, check, known, None)
-    row_weight = None if row_weight is None else row_weight[rows]
-    known = None if known is None else known[:, rows]
-    loss, stats, grad_x, grad_w = _chunks(
-        x, weight, target[rows], o, row_weight, want_x, want_w, check, known, rows
-    )
-    loss = loss.new_zeros(target.shape).index_copy_(0, rows, loss)
-    stats = stats.new_zeros((3, len(target))).index_copy_(1, rows, stats)
-    return loss, stats, grad_x, grad_w
-
-
-def _chunks(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    o: _Options,
-    row_weight: torch.Tensor | None,
-    want_x: bool,
-    want_w: bool,
-    check: _SameCall | None,
-    known: torch.Tensor | None,
-    rows: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Each token's loss and statistics, and the gradients of ``sum(row_weight * loss)``.
 
-    The statistics are ``(3, tokens)``, as ``_row_losses`` gives them; the gradients are x's
-    and the weight's.
-    ``x`` is ``(N, D)``; the tokens are its ``rows`` (all of them for None; rows only outside
-    grad mode), ``target`` and ``row_weight`` theirs. ``row_weight`` is the incoming gradient
-    of each token's loss, or None for one per token. The gradient of x, ``(N, D)`` and 0 in
-    the rows not taken, has the products' dtype
-    (float32 for float16; or x's, if wider, out of place), the weight's the accumulation
-    dtype. Under grad mode every operation is out of place and differentiable, but for updates
-    of fresh results; otherwise the chunk's buffers are reused in place. With ``check``, the
-    first chunk has at most ``_FIRST_ROWS`` tokens, and is taken even with no token, so that
-    the ranks' calls are compared in its all-reduce. ``known``: the tokens' statistics from
-    forward, on a shard (see ``_statistics``).
+    ``x`` is ``(N, D)``, ``target`` ``(N,)``; ``row_weight`` ``(N,)`` is the incoming gradient
+    of each token's loss, or None for one per token. The statistics are ``(3, N)``, as
+    ``_row_losses`` gives them; the gradients are x's, in the products' dtype (float32 for
+    float16; or x's, if wider, out of place), and the weight's, in the accumulation dtype.
+    Only the counted tokens are computed: the ignored ones get a loss, statistics and gradient
+    of 0. Every rank of a shard has the same targets, so takes the same tokens. Under
+    ``torch.compile`` their number would be a dynamic shape, and under grad mode (a backward
+    that builds a graph) ``torch.func.vmap`` could not batch it: there every token is taken,
+    and ``_row_losses`` masks the ignored ones. Under grad mode every operation is out of
+    place and differentiable, but for updates of fresh results; otherwise the chunk's buffers
+    are reused in place. With ``check``, the first chunk has at most ``_FIRST_ROWS`` tokens,
+    and is taken even with no token, so that the ranks' calls are compared in its all-reduce.
+    ``known``: the tokens' statistics from forward, on a shard (see ``_statistics``).
     """
+    tokens = len(target)
+    rows = None  # the counted tokens' positions in x, where they are taken apart
+    if not (torch.compiler.is_compiling() or torch.is_grad_enabled()):
+        counted = (target != o.ignore_index).nonzero().squeeze(1)
+        rows = None if len(counted) == tokens else counted
+    if rows is not None:
+        target = target[rows]
+        row_weight = None if row_weight is None else row_weight[rows]
+        known = None if known is None else known[:, rows]
     num_tokens, vocab = len(target), weight.shape[0]
     acc = _accumulation_dtype(o.mm_dtype)
     w_mm = weight.to(o.mm_dtype)
@@ -529,6 +505,9 @@ def _chunks(
         grads.add(start, grad, x_c)
     loss = torch.cat(losses) if losses else x.new_zeros((0,), dtype=acc)
     stats = torch.cat(statistics, 1) if statistics else x.new_zeros((3, 0), dtype=acc)
+    if rows is not None:  # back in every token's place, 0 in the ignored ones'
+        loss = loss.new_zeros(tokens).index_copy_(0, rows, loss)
+        stats = stats.new_zeros((3, tokens)).index_copy_(1, rows, stats)
     grad_x = grads.x()
     if o.shard is not None and grad_x is not None:
         # Each rank's columns give a part of x's gradient: the whole is their sum.
@@ -597,7 +576,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if check is None:
             _check_targets(target, vocab, o.ignore_index)
         save = o.reduction != "none"
-        rows, stats, grad_x, grad_w = _counted_chunks(
+        rows, stats, grad_x, grad_w = _chunks(
             x.reshape(flat_target.numel(), x.shape[-1]),
             weight,
             flat_target,
@@ -665,7 +644,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             row_weight = _loss_factor(grad_loss, keep, o).expand(keep.shape)
         with torch.autocast(x.device.type, enabled=False):
-            _, _, grad_x, grad_w = _counted_chunks(
+            _, _, grad_x, grad_w = _chunks(
                 x.reshape(flat_target.numel(), x.shape[-1]),
                 weight,
                 flat_target,
