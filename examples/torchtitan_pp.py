@@ -18,7 +18,7 @@ if anything differs. ``--schedule`` picks the schedule (``1F1B``, the default, o
 ``GPipe``), ``--spmd-backend`` torchtitan's backend (``partial_dtensor``, the default, or
 ``spmd_types``, with pipeline parallelism alone), ``--fsdp-reshard-after-forward``
 torchtitan's FSDP2 policy; ``--no-tie-reduction`` leaves out ``PipelineTie.reduce_grads()``,
-to show that the parity check then fails.
+to show that the clip then refuses the step on every rank.
 """
 
 from __future__ import annotations
