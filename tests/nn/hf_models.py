@@ -29,6 +29,19 @@ from transformers import (
 )
 
 VOCAB = 61
+# Two optimizer steps of two accumulated batches, on the CPU: the Trainer's and TRL's arguments.
+TRAINING: dict[str, object] = {
+    "per_device_train_batch_size": 2,
+    "gradient_accumulation_steps": 2,
+    "max_steps": 2,
+    "learning_rate": 1e-2,
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "report_to": [],
+    "use_cpu": True,
+    "seed": 0,
+    "dataloader_drop_last": True,
+}
 
 
 def decoder(**changes: object) -> dict[str, object]:

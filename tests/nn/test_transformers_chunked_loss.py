@@ -18,7 +18,16 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, PreTrainedModel
 
-from tests.nn.hf_models import CAUSAL_LMS, VOCAB, bamba, cohere, llama, mixtral, opt
+from tests.nn.hf_models import (
+    CAUSAL_LMS,
+    TRAINING,
+    VOCAB,
+    bamba,
+    cohere,
+    llama,
+    mixtral,
+    opt,
+)
 from toolkit.nn import tie_output_embeddings
 from toolkit.nn._transformers import ROUTES
 
@@ -303,19 +312,7 @@ def test_the_trainer_runs_it_unchanged_with_gradient_accumulation(tmp_path: Path
         if chunked_loss is not None:
             tie_output_embeddings(model, chunked_loss=chunked_loss)
             model.lm_head.register_forward_hook(lambda *_: calls.append(1))
-        args = TrainingArguments(
-            output_dir=str(tmp_path / str(chunked_loss)),
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            max_steps=2,
-            learning_rate=1e-2,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            seed=0,
-            dataloader_drop_last=True,
-        )
+        args = TrainingArguments(output_dir=str(tmp_path / str(chunked_loss)), **TRAINING)
         trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.nn.hf_models import VOCAB, llama
+from tests.nn.hf_models import TRAINING, VOCAB, llama
 from toolkit.nn import tie_output_embeddings
 
 trl = pytest.importorskip("trl")
@@ -37,20 +37,7 @@ def trainer(model: torch.nn.Module, output: Path) -> object:
     )
     generator = torch.Generator().manual_seed(1)
     rows = [torch.randint(3, VOCAB, (9,), generator=generator).tolist() for _ in range(8)]
-    args = trl.SFTConfig(
-        output_dir=str(output),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=2,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        dataloader_drop_last=True,
-        disable_tqdm=True,
-    )
+    args = trl.SFTConfig(output_dir=str(output), **TRAINING, disable_tqdm=True)
     data = datasets.Dataset.from_list([{"input_ids": row} for row in rows])
     return trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
 
