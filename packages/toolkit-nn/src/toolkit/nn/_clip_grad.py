@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["clip_grad_norm_", "pipeline_clip_grad_norm_"]
 
 
+@torch.no_grad()
 def clip_grad_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
@@ -68,17 +69,16 @@ def clip_grad_norm_(
         >>> clip_grad_norm_(layer.parameters(), max_norm=1.0)
         tensor(1.7321)
     """
-    with torch.no_grad():  # inside, not as a decorator: mutation testing reaches the body
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        groups = by_mesh(params)
-        if _detail():
-            agree(params, groups)
-        total, empty, problem = total_norm(groups, norm_type, foreach)
-        if problem is not None:
-            raise ValueError(problem)
-        refuse_empty(empty, norm_type)
-        check_finite(total, norm_type, error_if_nonfinite)
-        clip_with_norm(groups, max_norm, total, foreach)
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    groups = by_mesh(params)
+    if _detail():
+        agree(params, groups)
+    total, empty, problem = total_norm(groups, norm_type, foreach)
+    if problem is not None:
+        raise ValueError(problem)
+    refuse_empty(empty, norm_type)
+    check_finite(total, norm_type, error_if_nonfinite)
+    clip_with_norm(groups, max_norm, total, foreach)
     return total
 
 

@@ -108,25 +108,14 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
         ``torch.nn.ModuleDict``, raises TypeError and keeps the previous factory. Assigning
         None closes the dict: a miss then raises KeyError.
         """
-        return self._get_factory()
+        return self.__dict__["_default_factory"]  # type: ignore[no-any-return]
 
     @default_factory.setter
     def default_factory(self, value: Callable[[], ModuleT] | None) -> None:
-        self._set_factory(value)
-
-    # The property and __setattr__ forward to plain methods: mutation testing leaves decorated
-    # functions and __setattr__ out, and reaches the plain ones.
-    def _get_factory(self) -> Callable[[], ModuleT] | None:
-        return self.__dict__["_default_factory"]  # type: ignore[no-any-return]
-
-    def _set_factory(self, value: Callable[[], ModuleT] | None) -> None:
         _check_factory(value)
         self.__dict__["_default_factory"] = value
 
     def __setattr__(self, name: str, value: object) -> None:
-        self._set_attribute(name, value)
-
-    def _set_attribute(self, name: str, value: object) -> None:
         # nn.Module.__setattr__ would register a Module-valued factory as a child entry;
         # send the factory straight to its property instead.
         if name == "default_factory":
@@ -293,9 +282,6 @@ class ModuleDefaultDict(nn.ModuleDict, Generic[ModuleT]):
 
     @reprlib.recursive_repr()
     def _factory_repr(self) -> str:
-        return self._plain_factory_repr()
-
-    def _plain_factory_repr(self) -> str:
         return repr(self.default_factory)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:

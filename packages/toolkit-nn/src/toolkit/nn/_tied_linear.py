@@ -108,16 +108,10 @@ class TiedLinear:
                 raise
             raise explained from error
 
-    # The properties forward to plain methods: mutation testing leaves decorated functions
-    # out, and reaches the plain ones.
     @property
     def weight(self) -> torch.Tensor:
         """``tied_module.weight``, read live: the weight the next call will use."""
-        return self._read_weight()
-
-    def _read_weight(self) -> torch.Tensor:
-        # The attribute's name as data, which mutation testing can change.
-        return getattr(self.tied_module, "weight")  # type: ignore[no-any-return] # noqa: B009
+        return self.tied_module.weight  # type: ignore[return-value]
 
     @property
     def in_features(self) -> int:
@@ -126,9 +120,6 @@ class TiedLinear:
         While the weight is an uninitialized lazy parameter it has no shape, and reading
         this raises torch's error for that.
         """
-        return self._in_features()
-
-    def _in_features(self) -> int:
         return int(self.weight.shape[1])
 
     @property
@@ -138,16 +129,10 @@ class TiedLinear:
         While the weight is an uninitialized lazy parameter it has no shape, and reading
         this raises torch's error for that.
         """
-        return self._out_features()
+        return int(self.weight.shape[0])
 
     @out_features.setter
     def out_features(self, value: int) -> None:
-        self._set_out_features(value)
-
-    def _out_features(self) -> int:
-        return int(self.weight.shape[0])
-
-    def _set_out_features(self, value: int) -> None:
         # transformers sets out_features after resizing the tied embedding; the live value
         # already follows it. Any other value would disagree with the weight.
         if value != self.out_features:
