@@ -6,7 +6,7 @@ Each rank's results are compared with ``F.cross_entropy`` in one process on the 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -66,13 +66,14 @@ def _reference(*case: Tensor, **options: Any) -> list[Tensor]:
     return [loss.detach(), x.grad, weight.grad]  # type: ignore[list-item]
 
 
-def _debug_level(monkeypatch: pytest.MonkeyPatch, detail: bool) -> None:
-    """Make the loss read ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (or OFF), as torch reads it."""
-    level = torch.distributed.DebugLevel.DETAIL if detail else torch.distributed.DebugLevel.OFF
-    monkeypatch.setattr(torch.distributed, "get_debug_level", lambda: level)
-
-
-DETAIL = pytest.mark.parametrize("detail", [False, True], ids=["default", "detail"])
+@pytest.fixture(params=[False, True], ids=["default", "detail"])
+def detail(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """By default, and under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` as torch reads it."""
+    before = torch.distributed.get_debug_level()
+    debug = torch.distributed.DebugLevel
+    torch.distributed.set_debug_level(debug.DETAIL if request.param else debug.OFF)
+    yield request.param
+    torch.distributed.set_debug_level(before)
 
 
 def _sharded_embedding(weight: Tensor, mesh: Any) -> nn.Embedding:
@@ -325,15 +326,13 @@ def test_the_default_chunk_is_the_same_on_ranks_with_uneven_rows() -> None:
         torch.testing.assert_close(loss, expected)
 
 
-@DETAIL
 def test_rank_local_tokens_on_a_vocabulary_shard_are_refused_on_every_rank(
-    detail: bool, monkeypatch: pytest.MonkeyPatch
+    detail: bool,
 ) -> None:
     """Under sequence parallelism each rank's slice of the hidden states with its slice of the
     targets would mix different tokens' statistics: refused on every rank, naming the fix,
     before any gradient is computed, whether the chunk differs too or not, by default (in the
     first all-reduce) and under DETAIL (before it). Ranks with the same tokens are taken."""
-    _debug_level(monkeypatch, detail)
     weight, x, target, _ = _case(17, 2)
 
     def rank_main(rank: int) -> tuple[list[str], Any]:
@@ -367,14 +366,12 @@ def test_rank_local_tokens_on_a_vocabulary_shard_are_refused_on_every_rank(
         )
 
 
-@DETAIL
 @pytest.mark.parametrize("position", [0, 9])
 def test_targets_that_differ_in_one_position_are_refused_on_every_rank(
-    position: int, detail: bool, monkeypatch: pytest.MonkeyPatch
+    position: int, detail: bool
 ) -> None:
     """The same number of tokens and of counted tokens, one target different on rank 1: the
     checksum of the first all-reduce tells them apart (under DETAIL, the exact comparison)."""
-    _debug_level(monkeypatch, detail)
     weight, x, target, _ = _case(17, 2)
 
     def rank_main(rank: int) -> tuple[str, Tensor | None]:
@@ -409,16 +406,14 @@ def test_targets_swapped_between_two_far_positions_are_refused_on_every_rank() -
         assert "same tokens and targets on every rank" in message
 
 
-@DETAIL
 @pytest.mark.parametrize("case", DIFFERENCES)
 def test_an_option_that_differs_on_a_vocabulary_shard_is_refused_on_every_rank(
-    case: str, detail: bool, monkeypatch: pytest.MonkeyPatch
+    case: str, detail: bool
 ) -> None:
     """Ranks that differ in an option would hang (another chunk, or a gradient of x reduced on
     one rank only) or silently mix their statistics (another softcap, dtype, label_smoothing,
     z_loss or reduction): refused with a ValueError on every rank, before any gradient, naming
     what differs and nothing else; the targets differ too, and the options are said."""
-    _debug_level(monkeypatch, detail)
     weight, x, target, _ = _case(17, 2)
 
     def rank_main(rank: int) -> tuple[type[BaseException], str, Tensor | None]:
@@ -453,15 +448,13 @@ REFUSED: dict[str, tuple[type[Exception], Any]] = {
 }
 
 
-@DETAIL
 @pytest.mark.parametrize("on_both", [False, True], ids=["one-rank", "both-ranks"])
 @pytest.mark.parametrize("case", REFUSED)
 def test_an_argument_refused_on_one_rank_is_refused_on_every_rank(
-    case: str, on_both: bool, detail: bool, monkeypatch: pytest.MonkeyPatch
+    case: str, on_both: bool, detail: bool
 ) -> None:
     """The rank whose argument is invalid raises its own error; the others, which would wait
     for it in the all-reduce that compares the calls, raise a ValueError instead of hanging."""
-    _debug_level(monkeypatch, detail)
     weight, x, target, _ = _case(17, 2)
     error, change = REFUSED[case]
 

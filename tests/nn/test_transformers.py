@@ -542,7 +542,7 @@ def test_initialising_the_weights_after_the_tie_changes_what_it_changes_on_the_s
     assert_tied(model, head)
 
 
-def test_data_parallel_replication_is_refused_naming_distributed_data_parallel(
+def test_data_parallel_replication_is_refused_naming_ddp(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A replica's head would read the original embedding, not the replica's. torch's
