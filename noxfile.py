@@ -300,9 +300,15 @@ def lockstep(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, default=False)
 def bump(session: nox.Session) -> None:
-    """Move ``VERSION`` and every package to a new release: ``nox -s bump -- X.Y.Z``."""
+    """Move ``VERSION`` and every package to a new release: ``nox -s bump -- X.Y.Z``.
+
+    It refuses when the packages' sources differ from those of the last whole mutation run
+    (``tests/mutation/whole-run.toml``): run ``nox -s mutation -- --record`` first.
+    """
     if len(session.posargs) != 1:
         session.error("give the new version: nox -s bump -- X.Y.Z")
+    # A release ships only sources that the whole mutation run has passed.
+    session.run("python", "scripts/mutation.py", "--check-release")
     session.run("python", "scripts/lockstep.py", "bump", *session.posargs)
 
 
@@ -310,28 +316,19 @@ def bump(session: nox.Session) -> None:
 def mutation(session: nox.Session) -> None:
     """Mutation testing of every package (``scripts/mutation.py``); not a default session.
 
-    mutmut mutates every function of ``packages/*/src`` and runs the single-process tests, then
-    the compile and multi-rank tests run against each mutant still alive. It stops before
-    mutating when a function's code is out of mutmut's reach (a decorated function or
-    ``__setattr__`` that does more than forward to a plain one, a public function without
-    mutants); it fails on a survivor missing from ``tests/mutation/equivalent.toml`` or on a
-    stale entry there, and reports the score. The packages are installed, not editable: the
-    tests import the mutated copy, which comes first on the path. Arguments after ``--`` go to
-    the script: ``--incremental`` (what CI runs) reuses the outcomes of
-    ``tests/mutation/ledger.toml`` whose function, the functions it may call with their
-    modules' constants and class attributes, covering test files (with their helpers and
-    conftest files) and settings are unchanged, and runs every other mutant; it fails on a
-    ledger that does not describe the sources, and skips before installing anything when
-    nothing differs from it. ``--record`` writes the ledger after a run that passed, whole or
-    incremental. Without arguments it is the whole run, which also catches what the ledger
-    cannot see (a call that only a mutant makes); run it with ``--record`` before a release.
+    The whole run: mutmut mutates every function of ``packages/*/src`` and runs the
+    single-process tests, then the compile and multi-rank tests run against each mutant still
+    alive; it fails on a survivor missing from ``tests/mutation/equivalent.toml`` or on a stale
+    entry there, and ``-- --record`` writes its commit and score to
+    ``tests/mutation/whole-run.toml``. ``-- --changed`` (what CI runs) mutates only the
+    functions changed since that commit and those a changed test file reaches, at most
+    ``--budget`` mutants, and skips before installing anything when nothing changed. The
+    packages are installed, not editable: the tests import the mutated copy.
     """
-    if "--incremental" in session.posargs:
-        # Comparing with the ledger needs only the standard library: skip the installs when
-        # nothing differs from it, as on a clean checkout of a recorded main.
+    if "--changed" in session.posargs:
         plan = session.run("python", "scripts/mutation.py", "--list", *session.posargs, silent=True)
-        if isinstance(plan, str) and "nothing to mutate" in plan:
-            session.skip("nothing differs from the ledger, tests/mutation/ledger.toml")
+        if isinstance(plan, str) and "nothing changed" in plan:
+            session.skip("nothing changed since the whole run, tests/mutation/whole-run.toml")
     session.install("-c", str(CONSTRAINTS), *map(package_dir, PACKAGES), *requirements("mutation"))
     session.install("--no-deps", *requirements("torchtune-reference"))
     session.run("pytest", "tests/mutation", "-q")

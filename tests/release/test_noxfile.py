@@ -125,38 +125,38 @@ def test_only_the_uv_probe_message_is_dropped(noxfile: ModuleType) -> None:
     assert shown("uv binary not found. (and more)")
 
 
-def ci_commands(tmp_path: Path, stale: int) -> list[str]:
-    """The commands ``.ci/run`` runs, with nox and python3 stubbed: python3 lists ``stale``
-    functions that differ from the mutation ledger."""
+def test_ci_runs_nox_the_torchtitan_session_then_the_mutation_run_of_what_changed(
+    tmp_path: Path,
+) -> None:
+    """The commands ``.ci/run`` runs from its first nox on, with nox stubbed."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "log"
-    listing = "".join(f"  toolkit.nn.f{i} (its code changed)\\n" for i in range(stale))
-    stubs = {
-        "nox": f'echo "nox $*" >> {log}',
-        "python3": f'echo "python3 $*" >> {log}; printf "functions to mutate in full:\\n{listing}"',
-    }
-    for name, body in stubs.items():
-        stub = bin_dir / name
-        stub.write_text(f"#!/usr/bin/env bash\n{body}\n")
-        stub.chmod(0o755)
+    (bin_dir / "nox").write_text(f'#!/usr/bin/env bash\necho "nox $*" >> {log}\n')
+    (bin_dir / "nox").chmod(0o755)
     script = (ROOT / ".ci" / "run").read_text()
     # From the first nox on: the venv's install is CI's own.
     body = script[script.index("TOOLKIT_PYTHON=3.11 nox\n") :]
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     subprocess.run(["bash", "-c", f"set -euo pipefail\n{body}"], env=env, cwd=ROOT, check=True)
-    return [line for line in log.read_text().splitlines() if not line.startswith("python3")]
-
-
-@pytest.mark.parametrize(("stale", "mutation"), [(0, True), (40, True), (41, False)])
-def test_ci_runs_nox_the_torchtitan_session_then_the_mutation_run_within_its_budget(
-    tmp_path: Path, stale: int, mutation: bool
-) -> None:
-    commands = ["nox ", "nox -s torchtitan"] + (["nox -s mutation -- --incremental"] * mutation)
-    assert ci_commands(tmp_path, stale) == commands
-    script = (ROOT / ".ci" / "run").read_text()
+    *commands, mutation = log.read_text().splitlines()
+    assert commands == ["nox ", "nox -s torchtitan"]
+    assert mutation.startswith("nox -s mutation -- --changed --budget ")
+    assert int(mutation.rsplit(" ", 1)[1]) > 0
     assert '-c constraints.txt "nox' in script
     assert os.access(ROOT / ".ci" / "run", os.X_OK)
+
+
+def test_a_release_first_checks_the_sources_against_the_whole_mutation_run(
+    noxfile: ModuleType,
+) -> None:
+    ran: list[tuple[str, ...]] = []
+    session = SimpleNamespace(posargs=["3.59.0"], run=lambda *args: ran.append(args))
+    noxfile.bump(session)
+    assert ran == [
+        ("python", "scripts/mutation.py", "--check-release"),
+        ("python", "scripts/lockstep.py", "bump", "3.59.0"),
+    ]
 
 
 @pytest.mark.parametrize(
