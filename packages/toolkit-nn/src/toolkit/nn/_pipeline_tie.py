@@ -120,6 +120,7 @@ class PipelineTie:
             dist.broadcast(tensor, group=self.group, group_src=self._first[name])
         return tensor
 
+    @torch.no_grad()
     def broadcast(self) -> None:
         """Make every copy equal to the first: on every rank, after each ``optimizer.step()``.
 
@@ -128,13 +129,13 @@ class PipelineTie:
         ``broadcast`` per tied weight that several ranks hold (its local shard under FSDP2).
         """
         self._late = any(p.grad is not None for p in self.duplicates())
-        with torch.no_grad():
-            for name in self.names:
-                weights = [_local(p) for p in self._params[name]]
-                source = self._source(name, weights[0] if weights else None)
-                for weight in weights[1:]:
-                    weight.copy_(source)  # type: ignore[arg-type] # weights[0] or its broadcast
+        for name in self.names:
+            weights = [_local(p) for p in self._params[name]]
+            source = self._source(name, weights[0] if weights else None)
+            for weight in weights[1:]:
+                weight.copy_(source)  # type: ignore[arg-type] # weights[0] or its broadcast
 
+    @torch.no_grad()
     def reduce_grads(self) -> None:
         """Move every copy's gradient into the first copy, which then holds their sum.
 
@@ -149,47 +150,46 @@ class PipelineTie:
                 or load), or a copy but the first held a gradient at ``broadcast()``.
                 Nothing is changed; where one rank holds every copy, it alone raises.
         """
-        with torch.no_grad():
-            # One buffer: the gradients several ranks hold, each name's flags and checksums, 2 more.
-            shared = [n for n in self.names if n in self._shared]
-            shapes = [self._layouts[n].local_shard_shape for n in shared]
-            checks = [3 + 8 * sum(self._copies[n]) for n in self.names]
-            grads = [math.prod(shape) for shape in shapes]
-            flat = torch.zeros(sum(grads) + sum(checks) + 2, dtype=self._dtype, device=self._device)
-            *parts, problems = torch.split(flat, [*grads, *checks, 2])
-            totals = {n: p.view(shape) for n, p, shape in zip(shared, parts, shapes, strict=False)}
-            replaced = False
-            for name, check in zip(self.names, parts[len(shared) :], strict=True):
-                params = self._params[name]
-                trains = [p.requires_grad for p in params]
-                held = any(p.grad is not None for p in params)
-                check[:3] = check.new_tensor([held, not all(trains), any(trains)])
-                start = 3 + 8 * sum(self._copies[name][: self._rank])
-                for path, param in zip(self._paths[name], params, strict=True):
-                    replaced = replaced or _replaced(path, param)
-                    check[start : start + 8] = _checksum(_local(param))
-                    start += 8
-                    if param.grad is not None and name in totals:
-                        totals[name].add_(_local(param.grad))
-                    elif param.grad is not None:  # held here alone: no buffer on other ranks
-                        totals[name] = _local(param.grad).to(self._dtype, copy=True)
-            problems.copy_(problems.new_tensor([replaced, self._late]))
-            if shared:
-                dist.all_reduce(flat, group=self.group)
-            found = iter(flat[sum(grads) :].tolist())  # the one host sync
-            checked = [list(itertools.islice(found, n)) for n in checks]
-            self._refuse(checked, *found)  # and whether a copy was replaced, or late
-            for name, (counted, *_) in zip(self.names, checked, strict=True):
-                if not counted:  # no rank has a gradient: every copy keeps None
-                    continue
-                params = self._params[name]
-                keeps = self._rank == self._first[name]  # this rank's first copy is the weight
-                for param in params[1:] if keeps else params:
-                    param.grad = None
-                if keeps and params[0].grad is None:
-                    params[0].grad = torch.zeros_like(params[0])  # a DTensor as the weight is
-                if keeps:
-                    _local(params[0].grad).copy_(totals[name])  # type: ignore[arg-type]
+        # One buffer: the gradients several ranks hold, each name's flags and checksums, 2 more.
+        shared = [n for n in self.names if n in self._shared]
+        shapes = [self._layouts[n].local_shard_shape for n in shared]
+        checks = [3 + 8 * sum(self._copies[n]) for n in self.names]
+        grads = [math.prod(shape) for shape in shapes]
+        flat = torch.zeros(sum(grads) + sum(checks) + 2, dtype=self._dtype, device=self._device)
+        *parts, problems = torch.split(flat, [*grads, *checks, 2])
+        totals = {n: p.view(shape) for n, p, shape in zip(shared, parts, shapes, strict=False)}
+        replaced = False
+        for name, check in zip(self.names, parts[len(shared) :], strict=True):
+            params = self._params[name]
+            trains = [p.requires_grad for p in params]
+            held = any(p.grad is not None for p in params)
+            check[:3] = check.new_tensor([held, not all(trains), any(trains)])
+            start = 3 + 8 * sum(self._copies[name][: self._rank])
+            for path, param in zip(self._paths[name], params, strict=True):
+                replaced = replaced or _replaced(path, param)
+                check[start : start + 8] = _checksum(_local(param))
+                start += 8
+                if param.grad is not None and name in totals:
+                    totals[name].add_(_local(param.grad))
+                elif param.grad is not None:  # held here alone: no buffer on other ranks
+                    totals[name] = _local(param.grad).to(self._dtype, copy=True)
+        problems.copy_(problems.new_tensor([replaced, self._late]))
+        if shared:
+            dist.all_reduce(flat, group=self.group)
+        found = iter(flat[sum(grads) :].tolist())  # the one host sync
+        checked = [list(itertools.islice(found, n)) for n in checks]
+        self._refuse(checked, *found)  # and whether a copy was replaced, or late
+        for name, (counted, *_) in zip(self.names, checked, strict=True):
+            if not counted:  # no rank has a gradient: every copy keeps None
+                continue
+            params = self._params[name]
+            keeps = self._rank == self._first[name]  # this rank's first copy is the weight
+            for param in params[1:] if keeps else params:
+                param.grad = None
+            if keeps and params[0].grad is None:
+                params[0].grad = torch.zeros_like(params[0])  # a DTensor as the weight is
+            if keeps:
+                _local(params[0].grad).copy_(totals[name])  # type: ignore[arg-type]
 
     def _refuse(self, checked: list[list[float]], replaced: float, late: float) -> None:
         """Raise the first problem that the ranks found, the same on every rank."""
@@ -227,6 +227,7 @@ class PipelineTie:
         for name, params in self._params.items():
             yield from params[1:] if self._rank == self._first[name] else params
 
+    @torch.no_grad()
     def check(self) -> None:
         """Verify that every copy (its local shard) equals the first, on every rank.
 
@@ -235,24 +236,23 @@ class PipelineTie:
                 the copy, the first differing element and both values.
         """
         found: list[str] = []
-        with torch.no_grad():
-            for name in self.names:
-                weights = [_local(p) for p in self._params[name]]
-                first = self._source(name, weights[0].clone() if weights else None)
-                if first is None:  # no copy here, nor shared: nothing to compare
-                    continue
-                for index, copy in enumerate(weights):
-                    differs = (copy != first).nonzero()
-                    if len(differs) and not found:
-                        at = tuple(differs[0].tolist())
-                        found.append(
-                            f"the copies of the tied weight '{name}.weight' differ: copy {index} "
-                            f"on group rank {self._rank} has {copy[at].item()!r} at index {at}, "
-                            f"where the first copy on group rank {self._first[name]} has "
-                            f"{first[at].item()!r} ({len(differs)} of {copy.numel()} elements "
-                            "differ). Call PipelineTie.broadcast() after every optimizer step and "
-                            "after loading a state dict other than with DCP"
-                        )
+        for name in self.names:
+            weights = [_local(p) for p in self._params[name]]
+            first = self._source(name, weights[0].clone() if weights else None)
+            if first is None:  # no copy here, nor shared: nothing to compare
+                continue
+            for index, copy in enumerate(weights):
+                differs = (copy != first).nonzero()
+                if len(differs) and not found:
+                    at = tuple(differs[0].tolist())
+                    found.append(
+                        f"the copies of the tied weight '{name}.weight' differ: copy {index} "
+                        f"on group rank {self._rank} has {copy[at].item()!r} at index {at}, "
+                        f"where the first copy on group rank {self._first[name]} has "
+                        f"{first[at].item()!r} ({len(differs)} of {copy.numel()} elements "
+                        "differ). Call PipelineTie.broadcast() after every optimizer step and "
+                        "after loading a state dict other than with DCP"
+                    )
         for problems in _gather_objects(found, self.group):
             if problems:
                 raise RuntimeError(problems[0])
