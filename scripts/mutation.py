@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKSPACE = ROOT / ".mutation"
 EQUIVALENT = ROOT / "tests" / "mutation" / "equivalent.toml"
-RECORD = ROOT / "tests" / "mutation" / "whole-run.toml"
+RECORD = Path("tests", "mutation", "whole-run.toml")  # under the repository
 SOURCES = "packages/*/src/*"  # as a git pathspec, whose * matches a /
 # mutmut's record of the tests that reach each function, in the workspace.
 STATS = Path("mutants") / "mutmut-stats.json"
@@ -41,6 +41,7 @@ SLOW_SELECTION = ("-k", "compile or distributed")
 SLOW_TIMEOUT_S = 1200.0
 # mutmut's statuses: which count as detected, and which send a mutant to the slow pass.
 DETECTED = frozenset({"killed", "timeout", "segfault", "caught by type check"})
+DETECTED |= {"check was interrupted by user"}  # pytest's 2: the mutant broke its collection
 UNDETECTED = frozenset({"survived", "no tests", "suspicious"})
 # mutmut's stats without running a mutant: the first steps of its ``run`` (pinned mutmut).
 COLLECT_STATS = """
@@ -114,11 +115,9 @@ def function_name(mangled: str) -> str:
 
 
 def changed_lines(diff: str) -> tuple[str, str]:
-    """The original and the mutated lines of a unified diff, stripped."""
-    removed = [line[1:].strip() for line in diff.splitlines() if line.startswith("-")]
-    added = [line[1:].strip() for line in diff.splitlines() if line.startswith("+")]
-    removed = [line for line in removed if not line.startswith("--")]
-    added = [line for line in added if not line.startswith("++")]
+    """The original and the mutated lines of a unified diff, stripped, without its header."""
+    lines = diff.splitlines()[2:]
+    removed, added = ([x[1:].strip() for x in lines if x.startswith(c)] for c in "-+")
     return "\n".join(removed), "\n".join(added)
 
 
@@ -167,10 +166,7 @@ def collect_stats() -> None:
 
 
 def read_mutants(paths: Iterable[str]) -> dict[str, tuple[Mutant, str]]:
-    """Every mutant of ``paths`` with its fast-pass status, from mutmut's records.
-
-    It must run with the workspace as the working directory.
-    """
+    """Every mutant of ``paths`` with its status, from mutmut's records (in the workspace)."""
     from mutmut.mutation.data import SourceFileMutationData  # noqa: PLC0415 - cwd-bound
     from mutmut.mutation.diff_apply import get_diff_for_mutant  # noqa: PLC0415
     from mutmut.stats import status_by_exit_code  # noqa: PLC0415
@@ -179,10 +175,11 @@ def read_mutants(paths: Iterable[str]) -> dict[str, tuple[Mutant, str]]:
     for path in paths:
         data = SourceFileMutationData(path=path)
         data.load()
-        for name, exit_code in data.exit_code_by_key.items():
+        for name, code in data.exit_code_by_key.items():
             line, mutated = changed_lines(get_diff_for_mutant(name, path=path))
-            found[name] = (Mutant(name, path, function_name(name), line, mutated), exit_code)
-    return {name: (mutant, status_by_exit_code[code]) for name, (mutant, code) in found.items()}
+            mutant = Mutant(name, path, function_name(name), line, mutated)
+            found[name] = (mutant, status_by_exit_code[code])
+    return found
 
 
 def mutant_names(sources: Mapping[str, Path]) -> dict[str, list[str]]:
@@ -211,24 +208,27 @@ def git(*args: str, root: Path = ROOT) -> str:
 
 def recorded_commit(root: Path = ROOT) -> str:
     """The commit of the last whole run, from ``whole-run.toml``; it must be in the history."""
-    path = root / RECORD.relative_to(ROOT)
+    path = root / RECORD
     if not path.is_file():
         raise SystemExit(f"no whole run in {path.name}: run nox -s mutation -- --record")
     commit = str(tomllib.loads(path.read_text())["commit"])
-    found = subprocess.run(["git", "cat-file", "-e", commit], cwd=root, check=False)
-    if found.returncode:
+    found = subprocess.run(
+        ["git", "cat-file", "-e", commit], cwd=root, capture_output=True, check=False
+    )
+    if len(commit) != 40 or found.returncode:  # a full commit id, in this clone
         raise SystemExit(f"the recorded commit {commit} is not in this clone: fetch the history")
     return commit
 
 
 def functions(source: str, module: str) -> dict[str, str]:
-    """Each module-level function and method of ``source``, by name: its code, docstring aside."""
-    found: dict[str, str] = {}
+    """Each module-level function and method of ``source``, by name: its text, with decorators."""
+    lines, found = source.splitlines(), {}
 
     def add(node: ast.stmt, owner: str) -> None:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
-            found[f"{owner}.{node.name}"] = ast.dump(node.__class__(**{**vars(node), "body": body}))
+            start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            name = f"{owner}.{node.name}"  # a getter and its setter, overloads: one entry
+            found[name] = found.get(name, "") + "\n".join(lines[start - 1 : node.end_lineno])
 
     for node in ast.parse(source).body:
         add(node, module)
@@ -269,9 +269,16 @@ def reached_by(stats: Path, files: Sequence[str]) -> list[str]:
 def select(
     order: Sequence[str], names: Mapping[str, list[str]], budget: int
 ) -> tuple[list[str], int]:
-    """The mutants of the functions ``order``, in order, up to ``budget``; how many are left."""
-    chosen = [name for function in dict.fromkeys(order) for name in names.get(function, [])]
-    return chosen[:budget], max(len(chosen) - budget, 0)
+    """The mutants of the functions ``order``, whole, in order, while ``budget`` holds them.
+
+    Returns them and how many are left.
+    """
+    run: list[str] = []
+    for index, function in enumerate(order := list(dict.fromkeys(order))):
+        if len(run) + len(names.get(function, [])) > budget:
+            return run, sum(len(names.get(f, [])) for f in order[index:])
+        run += names.get(function, [])
+    return run, 0
 
 
 # The slow pass, the equivalent list and the verdict.
@@ -307,10 +314,24 @@ def run_slow(args: Sequence[str], env: dict[str, str], *, show: bool = False) ->
     return done.returncode
 
 
+def apply_mutant(mutant: Mutant) -> None:
+    """Write ``mutant`` into its file's plain copy (mutmut's own apply ignores the class)."""
+    import libcst  # noqa: PLC0415 - installed with mutmut
+    from mutmut.mutation.diff_apply import read_mutant_function, read_mutants_module  # noqa: PLC0415
+
+    module = libcst.parse_module(Path(mutant.path).read_text())
+    owner, _, name = mutant.function.removeprefix(module_name(mutant.path) + ".").rpartition(".")
+    body = module.body
+    if owner:
+        body = next(n for n in body if isinstance(n, libcst.ClassDef) and n.name.value == owner)
+        body = body.body.body  # type: ignore[assignment]
+    original = [n for n in body if isinstance(n, libcst.FunctionDef) and n.name.value == name]
+    mutated = read_mutant_function(read_mutants_module(mutant.path), mutant.name)
+    Path(mutant.path).write_text(module.deep_replace(original[-1], mutated).code)
+
+
 def slow_pass(mutants: Sequence[Mutant], sources: Mapping[str, Path]) -> list[Mutant]:
     """Apply each mutant to a plain copy of the sources and run the slow tests; those killed."""
-    from mutmut.mutation.diff_apply import apply_mutant  # noqa: PLC0415 - cwd-bound
-
     env = clean_env()
     env["PYTHONPATH"] = str(WORKSPACE / "src")
     args = slow_tests()
@@ -318,7 +339,7 @@ def slow_pass(mutants: Sequence[Mutant], sources: Mapping[str, Path]) -> list[Mu
         raise SystemExit("the slow tests fail on the unmutated sources; fix them first")
     killed: list[Mutant] = []
     for index, mutant in enumerate(mutants, 1):
-        apply_mutant(mutant.name)
+        apply_mutant(mutant)
         started = time.monotonic()
         try:
             code = run_slow(args, env)
@@ -344,18 +365,6 @@ def load_equivalents() -> list[Equivalent]:
     ]
 
 
-def second_run(
-    found: Mapping[str, tuple[Mutant, str]], equivalents: Sequence[Equivalent]
-) -> list[str]:
-    """The mutants to run again, alone: a busy machine can time a test out, or past a bound."""
-    return [
-        name
-        for name, (mutant, status) in found.items()
-        if status == "timeout"
-        or (status in DETECTED and any(entry.matches(mutant) for entry in equivalents))
-    ]
-
-
 def judge(
     found: Mapping[str, tuple[Mutant, str]],
     equivalents: Sequence[Equivalent],
@@ -363,7 +372,8 @@ def judge(
 ) -> Outcome:
     """Sort the fast pass's mutants; run the slow tests on the unlisted ones still alive.
 
-    An entry of the list for a function that ran in full and that matches no survivor is stale.
+    An entry of the list for a function that ran (``select`` runs functions whole) and that
+    matches no survivor is stale.
     """
     outcome = Outcome(total=len(found))
     alive: list[Mutant] = []
@@ -393,16 +403,12 @@ def judge(
 
 def report(outcome: Outcome, seconds: float) -> bool:
     """Print the score, the survivors and the stale entries; whether the run passed."""
-    killed = len(outcome.fast_killed) + len(outcome.slow_killed)
     listed = len(outcome.equivalent)
-    print(f"\nmutants: {outcome.total}")
-    print(f"  killed by the fast pass: {len(outcome.fast_killed)}")
-    print(f"  killed by the slow tests: {len(outcome.slow_killed)}")
-    print(f"  equivalent (listed): {listed}")
-    print(f"  survived, not listed: {len(outcome.survivors)}")
-    if outcome.total > listed:
-        print(f"score: {killed}/{outcome.total - listed} of the mutants not listed as equivalent")
-    print(f"time: {seconds / 60:.1f} min")
+    print(f"\nmutants: {outcome.total}\n  killed by the fast pass: {len(outcome.fast_killed)}")
+    print(
+        f"  killed by the slow tests: {len(outcome.slow_killed)}\n  equivalent (listed): {listed}"
+    )
+    print(f"  survived, not listed: {len(outcome.survivors)}\ntime: {seconds / 60:.0f} min")
     for mutant in outcome.survivors:
         print(f"\nSURVIVED {mutant.name}\n  in {mutant.function}")
         print(f"  line:   {mutant.line!r}\n  mutant: {mutant.mutant!r}")
@@ -414,15 +420,15 @@ def report(outcome: Outcome, seconds: float) -> bool:
     return not outcome.survivors and not outcome.stale
 
 
-def record(commit: str, outcome: Outcome) -> None:
+def record(commit: str, outcome: Outcome, root: Path = ROOT) -> None:
     """Write the commit and score of a whole run that passed to ``whole-run.toml``."""
     killed = len(outcome.fast_killed) + len(outcome.slow_killed)
-    RECORD.write_text(
+    (root / RECORD).write_text(
         "# The last whole mutation run that passed, written by nox -s mutation -- --record.\n"
         f'commit = "{commit}"\nmutants = {outcome.total}\nkilled = {killed}\n'
         f"equivalent = {len(outcome.equivalent)}\n"
     )
-    print(f"recorded in {RECORD.relative_to(ROOT)}")
+    print(f"recorded in {RECORD.name}")
 
 
 def sources_differ(commit: str, root: Path = ROOT) -> list[str]:
@@ -468,6 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if options.check_release:
         return check_release()
+    if not options.changed and (options.list or options.budget != sys.maxsize):
+        parser.error("--list and --budget go with --changed")
     if options.record and (options.changed or sources_differ("HEAD")):
         parser.error("--record needs the whole run on committed sources")
 
@@ -485,11 +493,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.chdir(WORKSPACE)
     found = read_mutants(sources)
     found = {name: found[name] for name in run} if run else found
-    if again := second_run(found, equivalents):
-        print(f"running {len(again)} mutants again: those that timed out, or listed and killed")
-        mutmut_run(again, 1)
-        now = read_mutants(sources)
-        found = {name: now[name] for name in found}
     outcome = judge(found, equivalents, sources)
     seconds = time.monotonic() - started
     passed = report(outcome, seconds)
