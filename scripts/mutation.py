@@ -350,9 +350,8 @@ def slow_pass(mutants: Sequence[Mutant], sources: Mapping[str, Path]) -> list[Mu
             killed.append(mutant)
         elif code != 0:
             raise SystemExit(f"pytest exited with {code} on {mutant.name}")
-        took = time.monotonic() - started
-        verdict = "survived" if code == 0 else "killed"
-        print(f"  [{index}/{len(mutants)}] {mutant.name}: {verdict} ({took:.0f} s)")
+        verdict = f"{'survived' if code == 0 else 'killed'} ({time.monotonic() - started:.0f} s)"
+        print(f"  [{index}/{len(mutants)}] {mutant.name}: {verdict}")
     return killed
 
 
@@ -451,8 +450,9 @@ def plan_changed(sources: Mapping[str, Path], budget: int, only_list: bool) -> l
     commit = recorded_commit()
     changed, tests = changed_functions(commit), changed_test_files(commit)
     print(f"changed since the whole run of {commit[:12]}:", *changed, *tests, sep="\n  ")
-    if (not changed and not tests) or only_list:
-        print("nothing changed: no mutant to run" if not changed and not tests else "")
+    if not changed and not tests:
+        print("nothing changed: no mutant to run")
+    if only_list or not (changed or tests):
         return []
     lay_out_workspace(sources)
     collect_stats()  # which functions the changed tests reach
