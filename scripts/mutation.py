@@ -471,6 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--list", action="store_true", help="with --changed: print what changed, run nothing")
     add("--record", action="store_true", help=f"after a whole run that passes, write {RECORD.name}")
     add("--check-release", action="store_true", help="fail if sources differ from the whole run")
+    add("--resume", action="store_true", help="rerun what the whole run left alive, with new tests")
     options = parser.parse_args(argv)
     if options.check_release:
         return check_release()
@@ -486,13 +487,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = plan_changed(sources, options.budget, options.list)
         if not run:
             return 0
+    elif options.resume:  # the whole run's fast pass kept; the mutants it left alive run again
+        if any(
+            (WORKSPACE / rel).read_bytes() != path.read_bytes() for rel, path in sources.items()
+        ):
+            parser.error("--resume needs .mutation/ to hold the whole run of these sources")
+        shutil.rmtree(WORKSPACE / "tests")
+        shutil.copytree(ROOT / "tests", WORKSPACE / "tests", ignore=shutil.ignore_patterns("*.pyc"))
+        os.chdir(WORKSPACE)
+        run = [name for name, (_, status) in read_mutants(sources).items() if status in UNDETECTED]
     else:
         run = []
         lay_out_workspace(sources)
     mutmut_run(run)
     os.chdir(WORKSPACE)
     found = read_mutants(sources)
-    found = {name: found[name] for name in run} if run else found
+    found = {name: found[name] for name in run} if options.changed else found
     outcome = judge(found, equivalents, sources)
     seconds = time.monotonic() - started
     passed = report(outcome, seconds)
