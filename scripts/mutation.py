@@ -420,12 +420,13 @@ def report(outcome: Outcome, seconds: float) -> bool:
 
 
 def record(commit: str, outcome: Outcome, root: Path = ROOT) -> None:
-    """Write the commit and score of a whole run that passed to ``whole-run.toml``."""
+    """Write the commit and score of a whole run to ``whole-run.toml``, passed or not."""
     killed = len(outcome.fast_killed) + len(outcome.slow_killed)
     (root / RECORD).write_text(
-        "# The last whole mutation run that passed, written by nox -s mutation -- --record.\n"
+        "# The last whole mutation run, written by nox -s mutation -- --record.\n"
         f'commit = "{commit}"\nmutants = {outcome.total}\nkilled = {killed}\n'
-        f"equivalent = {len(outcome.equivalent)}\n"
+        f"equivalent = {len(outcome.equivalent)}\nsurvived = {len(outcome.survivors)}\n"
+        f"stale = {len(outcome.stale)}\n"
     )
     print(f"recorded in {RECORD.name}")
 
@@ -437,12 +438,14 @@ def sources_differ(commit: str, root: Path = ROOT) -> list[str]:
 
 
 def check_release() -> int:
-    """0 if the packages' sources are the last whole run's; else name what differs, and 1."""
+    """0 if the packages' sources are those of the last whole run, and it passed; else 1."""
     commit = recorded_commit()
+    failed = sum(tomllib.loads((ROOT / RECORD).read_text())[k] for k in ("survived", "stale"))
     if differ := sources_differ(commit):
         print(f"the sources differ from the last whole mutation run's, {commit}:", *differ)
-        print("run it first: nox -s mutation -- --record")
-    return int(bool(differ))
+    if differ or failed:
+        print(f"{failed} survived or stale in it; pass it: nox -s mutation -- --record")
+    return int(bool(differ or failed))
 
 
 def plan_changed(sources: Mapping[str, Path], budget: int, only_list: bool) -> list[str]:
@@ -506,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     outcome = judge(found, equivalents, sources)
     seconds = time.monotonic() - started
     passed = report(outcome, seconds)
-    if passed and options.record:
+    if options.record:
         record(commit, outcome)
     return 0 if passed else 1
 
