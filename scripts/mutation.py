@@ -474,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--list", action="store_true", help="with --changed: print what changed, run nothing")
     add("--record", action="store_true", help=f"after a whole run that passes, write {RECORD.name}")
     add("--check-release", action="store_true", help="fail if sources differ from the whole run")
-    add("--resume", action="store_true", help="rerun what the whole run left alive, with new tests")
+    add("--resume", action="store_true", help="go on with the whole run, with new tests")
     options = parser.parse_args(argv)
     if options.check_release:
         return check_release()
@@ -490,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = plan_changed(sources, options.budget, options.list)
         if not run:
             return 0
-    elif options.resume:  # the whole run's fast pass kept; the mutants it left alive run again
+    elif options.resume:  # the whole run's fast pass kept: what it did not kill runs again
         if any(
             (WORKSPACE / rel).read_bytes() != path.read_bytes() for rel, path in sources.items()
         ):
@@ -498,7 +498,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(WORKSPACE / "tests")
         shutil.copytree(ROOT / "tests", WORKSPACE / "tests", ignore=shutil.ignore_patterns("*.pyc"))
         os.chdir(WORKSPACE)
-        run = [name for name, (_, status) in read_mutants(sources).items() if status in UNDETECTED]
+        run = [
+            name for name, (_, status) in read_mutants(sources).items() if status not in DETECTED
+        ]
     else:
         run = []
         lay_out_workspace(sources)
