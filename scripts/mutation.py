@@ -195,9 +195,6 @@ def mutant_names(sources: Mapping[str, Path]) -> dict[str, list[str]]:
     return names
 
 
-# --changed: what differs from the last whole run.
-
-
 def git(*args: str, root: Path = ROOT) -> str:
     """The output of ``git args`` in ``root``."""
     done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False)
@@ -279,9 +276,6 @@ def select(
             return run, sum(len(names.get(f, [])) for f in order[index:])
         run += names.get(function, [])
     return run, 0
-
-
-# The slow pass, the equivalent list and the verdict.
 
 
 def slow_tests() -> list[str]:
