@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.nn.distributed.pipeline_lm import (
@@ -68,6 +69,9 @@ def refused_stages(case: str) -> list[Any]:
         return [last, last]
     if case == "dtype":
         return [first, copy.deepcopy(last).double()]
+    if case == "wrapped-module":  # its copy under torch.compile's wrapper: 'emb._orig_mod'
+        last.emb = torch.compile(last.emb)  # type: ignore[assignment]
+        return [first, last]
     if case == "unregistered":
         last.emb = None  # type: ignore[assignment]
     else:
@@ -95,6 +99,12 @@ REFUSED: dict[str, str | tuple[str, ...]] = {
         "stage, as the default group (the world) does under data parallelism, and it would sum "
         "their tied gradients as the copies of different stages. Pass the pipeline's group, one "
         'rank per stage, such as group=mesh["pp"]'
+    ),
+    "wrapped-module": (
+        "PipelineTie refused group rank 1's stages: its stage 0 holds its tied module as "
+        "'emb._orig_mod', inside a wrapper of torch.compile, under a name that the other "
+        "stages' copies do not have; compile that module in place with its .compile(), or the "
+        "whole stage"
     ),
     "dtype": (
         "PipelineTie needs every copy of the tied weight 'emb.weight' to have one dtype, but "
@@ -146,6 +156,31 @@ def test_one_ranks_refused_stages_are_refused_on_every_rank(case: str) -> None:
         assert messages[0] == expected
     for fact in () if isinstance(expected, str) else expected:
         assert fact in messages[0]
+
+
+def test_a_stage_left_unsharded_by_a_forward_on_one_rank_is_refused_on_every_rank() -> None:
+    # Rank 1 shards its stage over its data-parallel dimension (one rank here) and runs a
+    # forward that keeps it unsharded before the tie is built: its copy is no DTensor.
+    stages = stages_of(0, 2)
+    hidden = stages[0](torch.tensor([[1, 2, 3]])).detach()
+
+    def rank_main(rank: int) -> str:
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+        stage = copy.deepcopy(stages[rank])
+        if rank == 1:
+            fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=False)
+            stage(hidden)
+        dist.barrier()  # rank 1's forward has run before either rank builds the tie
+        with pytest.raises(ValueError, match=r"^PipelineTie") as info:
+            PipelineTie(stage, mesh["pp"])
+        return str(info.value)
+
+    message = (  # the one whole-message check of this error
+        "PipelineTie refused group rank 1's stages: its tied module 'emb' (Embedding(17, 8)) is "
+        "under fully_shard but unsharded, as a forward leaves it; build the PipelineTie after "
+        "fully_shard and before the stages' first forward"
+    )
+    assert run_threads(2, rank_main) == [message] * 2
 
 
 def test_middle_stages_without_a_copy_alike_in_their_names_are_no_replicas() -> None:
@@ -424,6 +459,33 @@ def test_three_copies_on_three_ranks_are_summed_and_clipped_as_one_weight() -> N
     run_threads(3, rank_main)
 
 
+def test_the_ties_buffers_are_made_on_the_stages_device_not_the_default_one() -> None:
+    # As stages on cuda:1 under a default device of cpu: here CPU stages under a default
+    # device of meta, whose tensors hold no values. The middle rank holds no copy.
+    stages = stages_of(0, 3)
+    grads = random_grads(stages, seed=13)
+    total = grads[0]["emb.weight"] + grads[2]["emb.weight"]
+
+    def rank_main(rank: int) -> torch.Tensor | None:
+        stage = copy.deepcopy(stages[rank])
+        if rank == 2:
+            with torch.no_grad():
+                stage.emb.weight.add_(1.0)  # set-up makes it the first copy again
+        for name, param in stage.named_parameters():
+            param.grad = grads[rank][name].clone()
+        with torch.device("meta"):
+            tie = PipelineTie(stage)
+            tie.reduce_grads()
+            tie.check()
+        assert all(p.device.type == "cpu" for p in stage.parameters())
+        return None if rank == 1 else stage.emb.weight.grad  # the middle holds no copy
+
+    first, middle, last = run_threads(3, rank_main)
+    torch.testing.assert_close(first, total, rtol=0, atol=0)
+    assert middle is None
+    assert last is None
+
+
 # What reduce_grads() moves; training itself runs on gloo in tests/nn/distributed. --------------
 
 
@@ -612,19 +674,58 @@ def test_copies_one_bit_apart_on_two_ranks_are_refused_on_every_rank(dtype: torc
     # The checksums ride the all_reduce in the gradients' dtype: 8 bytes a copy, each exact.
     stages = [stage.to(dtype) for stage in stages_of(0, 3)]
 
+    # Any one bit of the last element flipped, the low bit (the next value) to the sign bit.
+    bits_type = torch.int16 if dtype.itemsize == 2 else torch.int32
+    flips = [torch.tensor(1 << bit).to(bits_type) for bit in range(8 * dtype.itemsize)]
+
     def rank_main(rank: int) -> list[str]:
         stage = copy.deepcopy(stages[rank])
         tie = PipelineTie(stage)
         tie.reduce_grads()  # equal: nothing to say
-        if rank == 2:
-            bits = stage.emb.weight.data.view(torch.int16 if dtype.itemsize == 2 else torch.int32)
-            bits[16, 7] += 1  # the next value of the last element
-        with pytest.raises(RuntimeError) as info:
-            tie.reduce_grads()
-        tie.broadcast()
-        tie.reduce_grads()  # as it says: broadcast, and the copies are one again
-        return [str(info.value)]
+        messages = []
+        for flip in flips:
+            if rank == 2:
+                bits = stage.emb.weight.data.view(bits_type)
+                bits[16, 7] ^= flip
+            with pytest.raises(RuntimeError) as info:
+                tie.reduce_grads()
+            messages.append(str(info.value))
+            tie.broadcast()
+            tie.reduce_grads()  # as it says: broadcast, and the copies are one again
+        return messages
 
     messages = run_threads(3, rank_main)
-    assert messages == [messages[0]] * 3
-    assert "'emb.weight' unequal" in messages[0][0]
+    assert messages == [[messages[0][0]] * len(flips)] * 3
+    assert messages[0][0] == (  # the one whole-message check of this error
+        "PipelineTie.reduce_grads() found the copies of 'emb.weight' unequal: call "
+        "tie.broadcast() after every optimizer.step() and non-DCP load; this step read an old "
+        "copy, so zero the gradients, broadcast and redo it"
+    )
+
+
+def test_a_gradient_after_reduce_grads_on_one_rank_is_refused_on_every_rank_once() -> None:
+    # The last stage's copy took a gradient after the sum was taken (a backward run late):
+    # the step missed it. The first rank, whose copy is the weight, is told as well.
+    stages = stages_of(0, 2)
+
+    def rank_main(rank: int) -> tuple[str, torch.Tensor | None]:
+        stage = copy.deepcopy(stages[rank])
+        tie = PipelineTie(stage, dist.group.WORLD)
+        tie.reduce_grads()
+        if rank == 1:
+            stage.emb.weight.grad = torch.ones_like(stage.emb.weight)  # the late backward's
+        tie.broadcast()
+        stage.emb.weight.grad = None  # optimizer.zero_grad()
+        with pytest.raises(RuntimeError) as info:
+            tie.reduce_grads()
+        tie.reduce_grads()  # told once: the step redone is right
+        return str(info.value), stage.emb.weight.grad
+
+    message = (  # the one whole-message check of this error
+        "PipelineTie.reduce_grads() found that a copy of a tied weight but the first held a "
+        "gradient at the last broadcast(): a backward ran after reduce_grads(), or none was "
+        "called, so the optimizer step missed that part of the tied gradient; call "
+        "reduce_grads() after the last backward and broadcast() right after optimizer.step(), "
+        "and redo that step"
+    )
+    assert run_threads(2, rank_main) == [(message, None)] * 2

@@ -557,8 +557,13 @@ def test_data_parallel_replication_is_refused_naming_ddp(
     monkeypatch.setattr(replicating, "_broadcast_coalesced_reshape", copies)
     stock, model, _ = stock_and_tied(llama)
     assert len(replicating.replicate(stock, [0, 1])) == 2  # the stock model replicates
-    with pytest.raises(RuntimeError, match="DistributedDataParallel"):
+    with pytest.raises(RuntimeError, match="DistributedDataParallel") as info:
         replicating.replicate(model, [0, 1])
+    assert str(info.value) == (  # the one whole-message check of this error
+        "nn.DataParallel replicates the model but not the tie: a replica's head would read "
+        "the original embedding. Train the tied model with DistributedDataParallel (torchrun "
+        "or accelerate launch; the Trainer uses it under either), or on one device"
+    )
 
 
 def test_the_heads_requires_grad_freezes_the_shared_weight_as_the_stock_heads() -> None:

@@ -110,6 +110,30 @@ def test_the_loss_and_gradients_are_the_stock_models_and_no_logits_are_returned(
     assert_the_stock_loss_and_gradients(stock, model, ids, labels=labels, **loss_kwargs)
 
 
+def test_logits_to_keep_0_takes_the_chunked_loss_and_another_value_the_stock_forward(
+    build: Callable,
+) -> None:
+    """0, every position's logits, is the forward's default; any other value asks for logits,
+    here the last 9 positions, all of them: the stock forward gives them, and its loss."""
+    stock, model = stock_and_lean(build)
+    ids, labels = batch()
+    assert_the_stock_loss_and_gradients(stock, model, ids, labels=labels, logits_to_keep=0)
+    expected = stock(ids, labels=labels, logits_to_keep=9)
+    actual = model(ids, labels=labels, logits_to_keep=9)
+    assert actual.logits.shape == (2, 9, VOCAB)
+    torch.testing.assert_close(actual.logits, expected.logits, rtol=0, atol=0)
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=0, atol=0)
+
+
+def test_every_argument_passed_by_position_takes_the_chunked_loss(build: Callable) -> None:
+    stock, model = stock_and_lean(build)
+    ids, labels = batch()
+    given = {"input_ids": ids, "labels": labels}
+    parameters = inspect.signature(stock.forward).parameters.values()
+    args = [given.get(p.name, p.default) for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert_the_stock_loss_and_gradients(stock, model, *args)
+
+
 def test_padding_under_activation_checkpointing_gives_the_stock_loss_and_gradients(
     build: Callable,
 ) -> None:
@@ -228,6 +252,14 @@ def test_a_class_not_listed_is_refused_naming_it_the_list_and_the_fixes(build: C
     assert type(model).__qualname__ in str(error.value)
     assert "chunked_loss=False" in str(error.value)
     assert "SFTTrainer" in str(error.value)
+    if type(model).__qualname__ == "OPTForCausalLM":  # the one whole-message check of this error
+        assert str(error.value) == (
+            "chunked_loss computes the loss of the architectures listed in the transformers guide "
+            "(docs/transformers.md, 'Architectures of the chunked loss'), by exact class, and "
+            "transformers.models.opt.modeling_opt.OPTForCausalLM is not among them; tie it with "
+            "chunked_loss=False (the stock loss of the logits), or train it with TRL's "
+            "SFTTrainer, whose own chunked loss reads the tied head's weight"
+        )
     assert model.get_output_embeddings() is head  # left alone
     assert "forward" not in vars(model)
     tied = tie_output_embeddings(model)  # the plain tie stays open
@@ -265,6 +297,14 @@ def test_switching_under_another_forward_wrapper_is_refused_naming_it(enabled: b
     with pytest.raises(ValueError, match="outer") as error:
         tie_output_embeddings(model, chunked_loss=enabled)
     assert "chunked_loss=False" in str(error.value)
+    if enabled:  # the one whole-message check of this error
+        assert str(error.value) == (
+            f"LlamaForCausalLM's forward is already replaced by {__name__}.{outer.__qualname__} "
+            "(TRL's SFTTrainer puts its fused loss there, accelerate its mixed precision), under "
+            "which tie_output_embeddings cannot switch the chunked loss: switch it before the "
+            "wrapper is made (before building the trainer), or keep chunked_loss=False; under "
+            "SFTTrainer, TRL's own chunked loss runs either way"
+        )
     assert model.forward is outer
     ids, labels = batch()
     assert model(ids, labels=labels).logits is None  # as it was
@@ -276,7 +316,10 @@ def test_a_head_or_loss_function_replaced_after_the_tie_is_refused_at_the_forwar
     model.loss_type = "ForMaskedLM"
     with pytest.raises(RuntimeError, match="chunked_loss=False") as error:
         model(ids, labels=labels)
-    assert "LlamaForCausalLM" in str(error.value)
+    assert str(error.value) == (  # the one whole-message check of this error
+        "LlamaForCausalLM's head or loss_function was replaced after the tie, so the chunked "
+        "loss would not be the model's; tie it with chunked_loss=False"
+    )
     model.loss_type = "ForCausalLM"
     model.lm_head = torch.nn.Linear(16, VOCAB, bias=False)  # untied, as set_output_embeddings
     with pytest.raises(RuntimeError, match="chunked_loss=False"):
