@@ -387,6 +387,87 @@ def test_targets_that_differ_in_one_position_are_refused_on_every_rank(
         assert grad is None
 
 
+# Rank 0's and rank 1's first two targets (-100: ignored), the same number of them counted.
+TWO_POSITIONS = {
+    "two-targets": ([0, 8], [4, 7]),
+    "two-other-targets": ([0, 8], [2, 7]),
+    "ignored-and-1-swapped": ([-100, 1], [1, -100]),
+    "ignored-moved": ([-100, 0], [4, -100]),
+}
+
+
+@pytest.mark.parametrize("case", TWO_POSITIONS)
+def test_targets_that_differ_in_two_positions_are_refused_on_every_rank(
+    case: str, detail: bool
+) -> None:
+    """Two targets differ, or a target and an ignored token, with the same number of tokens
+    and of counted tokens: refused on every rank, by default by the checksum of the first
+    all-reduce (under DETAIL, the exact comparison)."""
+    weight, x, target, _ = _case(17, 2)
+
+    def rank_main(rank: int) -> tuple[str, Tensor | None]:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        mine = target.clone()
+        mine.view(-1)[:2] = torch.tensor(TWO_POSITIONS[case][rank])
+        with pytest.raises(ValueError, match="every rank") as info:
+            head.cross_entropy(x.clone().requires_grad_(), mine)
+        return str(info.value), head.tied_module.weight.grad
+
+    for message, grad in run_threads(2, rank_main):
+        assert "same tokens and targets on every rank" in message
+        assert grad is None
+
+
+def test_an_ignore_index_that_differs_in_any_one_bit_is_refused_on_every_rank(
+    detail: bool,
+) -> None:
+    """Rank 1's ignore_index is rank 0's -100 with one of its 64 bits flipped, no target
+    ignored on either: refused on every rank, naming ignore_index, for each bit."""
+    weight, x, target, _ = _case(17, 2)
+    target[1, 1] = 5  # no target is ignored
+    flipped = [((-100 % 2**64) ^ (1 << bit)) for bit in range(64)]
+    values = [value - 2**64 if value >= 2**63 else value for value in flipped]
+
+    def rank_main(rank: int) -> list[str]:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        messages = []
+        for value in values:
+            with torch.no_grad(), pytest.raises(ValueError) as info:  # noqa: PT011 - checked below
+                head.cross_entropy(x, target, ignore_index=value if rank else -100)
+            messages.append(str(info.value))
+        return messages
+
+    for rank, messages in enumerate(run_threads(2, rank_main)):
+        for value, message in zip(values, messages, strict=True):
+            shown = value if rank else -100
+            assert [name for name in NAMES if f"{name} (" in message] == ["ignore_index"]
+            assert f"the ranks' ignore_index ({shown} here) differ" in message
+
+
+@pytest.mark.parametrize("detail", [True], ids=["detail"], indirect=True)
+def test_targets_of_the_same_checksum_are_refused_on_every_rank_under_detail(
+    detail: bool,
+) -> None:
+    """Rank 1's first two targets, 0 and 8, are 3 and 7: the same number of tokens, of counted
+    tokens and the same checksum (3 more at weight 1, 1 less at weight 3). Under DETAIL the
+    targets are also compared exactly: refused on every rank, with this rank's tokens."""
+    weight, x, target, _ = _case(17, 2)
+    assert target.view(-1)[:2].tolist() == [0, 8]
+
+    def rank_main(rank: int) -> tuple[str, Tensor | None]:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        mine = target.clone()
+        mine.view(-1)[:2] += torch.tensor([3, -1]) * rank
+        with pytest.raises(ValueError, match="every rank") as info:
+            head.cross_entropy(x.clone().requires_grad_(), mine)
+        return str(info.value), head.tied_module.weight.grad
+
+    for message, grad in run_threads(2, rank_main):
+        assert "same tokens and targets on every rank" in message
+        assert "but the ranks' targets differ (this rank has 10 tokens):" in message
+        assert grad is None
+
+
 def test_targets_swapped_between_two_far_positions_are_refused_on_every_rank() -> None:
     """Two targets swapped between positions 2**20 apart on one rank: the same count, counted
     count and sum of targets. The checksum's weights of the positions differ, so it tells the
@@ -480,6 +561,57 @@ def test_an_argument_refused_on_one_rank_is_refused_on_every_rank(
             "tensor-parallel group refused its arguments (an invalid option, target or input "
             "there), and raised its own error; pass valid arguments, the same, on every rank"
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_an_argument_refused_on_one_rank_is_refused_on_every_rank_in_any_dtype(
+    dtype: torch.dtype, detail: bool
+) -> None:
+    """The refused rank joins the all-reduce of the others' calls with their dtype, that of
+    the products' accumulation (float64, or float32 for bfloat16): gloo and NCCL need one."""
+    weight, x, target, _ = _case(17, 2, dtype)
+
+    def rank_main(rank: int) -> tuple[type[BaseException], str]:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        with pytest.raises(ValueError) as info:  # noqa: PT011 - the message is checked below
+            head.cross_entropy(x.clone().requires_grad_(), target, chunk_size=0 if rank else None)
+        return info.type, str(info.value)
+
+    (first, other), (refused, own) = run_threads(2, rank_main)
+    assert (first, refused) == (ValueError, ValueError)
+    assert other.startswith("TiedLinear.cross_entropy on a vocabulary-sharded weight: another rank")
+    assert own.startswith("cross_entropy chunk_size must be a positive int")
+
+
+def test_a_default_device_leaves_a_vocabulary_shard_on_its_tensors_device(detail: bool) -> None:
+    """Under a default-device context (``with torch.device("meta")``, as for deferred init)
+    the loss is computed where its tensors are: one process's loss and gradients; an
+    argument refused on one rank is refused on every rank, in all-reduces of the weight's
+    device (a meta tensor has no data to send; on a GPU, NCCL needs the GPU's); and targets
+    swapped between two positions on one rank are refused on every rank."""
+    weight, x, target, _ = _case(17, 2)
+    expected = _reference(weight, x, target, torch.ones(()))
+
+    def rank_main(rank: int) -> tuple[list[Tensor], str]:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        leaf = x.clone().requires_grad_()
+        with torch.device("meta"):
+            loss = head.cross_entropy(leaf, target)
+            loss.backward()
+            with pytest.raises(ValueError) as info:  # noqa: PT011 - the message is checked below
+                head.cross_entropy(leaf, target, chunk_size=0 if rank else None)
+            swapped = target.clone()  # on rank 1, its first two targets swapped
+            swapped.view(-1)[:2] = target.view(-1)[:2].flip(0) if rank else target.view(-1)[:2]
+            with pytest.raises(ValueError, match="same tokens and targets on every rank"):
+                head.cross_entropy(leaf, swapped)
+        grads = [leaf.grad, head.tied_module.weight.grad.full_tensor()]
+        return [loss.detach(), *grads], str(info.value)
+
+    (result0, other), (result1, own) = run_threads(2, rank_main)
+    for got in (result0, result1):
+        torch.testing.assert_close(got, expected)
+    assert other.startswith("TiedLinear.cross_entropy on a vocabulary-sharded weight: another rank")
+    assert own.startswith("cross_entropy chunk_size must be a positive int")
 
 
 def test_the_same_options_however_written_are_taken_on_a_vocabulary_shard() -> None:
