@@ -220,6 +220,27 @@ def reduced(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[torch.dtype]]:
     return log
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 3.0])
+def test_pipeline_clipping_of_float64_gradients_past_float32s_range_is_torchs(
+    norm_type: float,
+) -> None:
+    # Each stage's norm is a float64 below float32's largest value, its square or cube is not:
+    # the stages combine theirs in float64, as torch takes the whole model's norm.
+    grads = [torch.tensor(g, dtype=torch.float64) for g in ([3e30, -4e30], [12e30])]
+    expected_norm, expected = expected_clip(grads, 1.0, norm_type)
+    assert expected_norm.isfinite()
+
+    def rank_main(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = plain_with_grad(grads[rank])
+        norm = pipeline_clip_grad_norm_(weight, 1.0, norm_type, group=dist.group.WORLD)
+        return norm, weight.grad  # type: ignore[return-value]
+
+    for rank, (norm, grad) in enumerate(run_threads(2, rank_main)):
+        assert norm.dtype == torch.float64
+        torch.testing.assert_close(norm, expected_norm)
+        torch.testing.assert_close(grad, expected[rank])
+
+
 @pytest.mark.parametrize("last", ["float64", "float32", "frozen"])
 def test_pipeline_clipping_stages_whose_gradients_differ_in_dtype_reduces_one_dtype(
     last: str, reduced: dict[int, list[torch.dtype]]
@@ -268,6 +289,49 @@ def test_pipeline_clipping_without_any_gradient_gives_zero_as_torch(norm_type: f
 
     for norm in run_threads(2, rank_main):
         torch.testing.assert_close(norm, expected)
+
+
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float64], ids=str)
+def test_pipeline_clipping_without_any_gradient_is_float32_or_wider_whatever_the_default_dtype(
+    default: torch.dtype,
+) -> None:
+    # As with gradients of any dtype (the norms of bfloat16 ones combine in float32), and on
+    # one rank: a default dtype narrower than float32 does not narrow the zero.
+    expected = torch.zeros((), dtype=torch.promote_types(default, torch.float32))
+
+    def rank_main(rank: int) -> torch.Tensor:
+        frozen = nn.Parameter(torch.zeros(3))
+        return pipeline_clip_grad_norm_(frozen, 1.0, group=dist.group.WORLD)
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        norms = run_threads(2, rank_main)
+    finally:
+        torch.set_default_dtype(previous)
+    for norm in norms:
+        torch.testing.assert_close(norm, expected, rtol=0, atol=0)
+
+
+def test_pipeline_clipping_honours_foreach_true_where_a_gradient_has_no_foreach_kernels() -> None:
+    # As clip_grad_norm_: a stage's meta gradient whose shards are empty takes no part in the
+    # norm, and foreach=True is refused at its scaling, as torch refuses it, on every rank.
+    weight = nn.Parameter(torch.zeros(2, device="meta"))
+    weight.grad = torch.ones(2, device="meta")
+    with pytest.raises(RuntimeError, match=r"foreach=True") as info:
+        torch.nn.utils.clip_grad_norm_([weight], 1.0, foreach=True)
+
+    def rank_main(rank: int) -> str:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        frozen = nn.Parameter(distribute_tensor(torch.zeros(2), mesh["dp"], [Shard(0)]))
+        local = torch.ones(0, device="meta")
+        meta = nn.Parameter(DTensor.from_local(local, mesh["dp"], [Shard(0)], run_check=False))
+        meta.grad = DTensor.from_local(local.clone(), mesh["dp"], [Shard(0)], run_check=False)
+        with pytest.raises(RuntimeError, match=r"foreach=True") as ours:
+            pipeline_clip_grad_norm_([frozen, meta], 1.0, foreach=True, group=mesh["pp"])
+        return str(ours.value)
+
+    assert run_threads(4, rank_main) == [str(info.value)] * 4
 
 
 @pytest.mark.parametrize(
@@ -377,6 +441,51 @@ def test_plain_tensors_are_this_ranks_and_take_no_part_in_the_reduction() -> Non
     norms = run_threads(2, rank_main)
     torch.testing.assert_close(norms[0], torch.tensor(29.0).sqrt())  # 1 + 4 + 4 + 16, and 4
     torch.testing.assert_close(norms[1], torch.tensor(5.0))
+
+
+@pytest.mark.usefixtures("detail")
+def test_under_detail_a_plain_parameter_of_one_rank_ahead_of_the_dtensors_is_clipped() -> None:
+    # Plain parameters are each rank's own: rank 0 passes one that rank 1 has not, so the
+    # DTensors' positions differ by rank. Only a plain parameter's DTensor gradient must sit
+    # at one position on every rank of its mesh; a DTensor parameter's may sit anywhere.
+    sharded = torch.tensor([1.0, 2.0, 2.0, 4.0])
+
+    def rank_main(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(sharded, mesh, [Shard(0)])
+        params = [weight] if rank else [plain_with_grad(torch.tensor([2.0, 0.0])), weight]
+        return clip_grad_norm_(params, 100.0), weight.grad.full_tensor()
+
+    (norm_0, grad_0), (norm_1, grad_1) = run_threads(2, rank_main)
+    torch.testing.assert_close(norm_0, torch.tensor(29.0).sqrt())  # 1 + 4 + 4 + 16, and 4
+    torch.testing.assert_close(norm_1, torch.tensor(5.0))
+    assert torch.equal(grad_0, sharded)  # below max_norm: unscaled
+    assert torch.equal(grad_1, sharded)
+
+
+@pytest.mark.usefixtures("detail")
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+def test_under_detail_a_dtensor_without_a_gradient_on_any_rank_is_clipped_as_torch(
+    norm_type: float,
+) -> None:
+    # A frozen DTensor beside a trained one on the same mesh: its gradient is absent on every
+    # rank, which is not one on some ranks only, and takes no part, as in torch.
+    whole = torch.tensor([3.0, -4.0, 12.0, 1.0])
+    expected_norm, (expected,) = expected_clip([whole], 1.0, norm_type)
+
+    def rank_main(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        mesh = init_device_mesh("cpu", (2,))
+        frozen = nn.Parameter(distribute_tensor(torch.ones(3), mesh, [Shard(0)]))
+        weight = nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(whole, mesh, [Shard(0)])
+        norm = clip_grad_norm_([frozen, weight], 1.0, norm_type)
+        return norm, weight.grad.full_tensor(), frozen.grad
+
+    for norm, grad, frozen_grad in run_threads(2, rank_main):
+        torch.testing.assert_close(norm, expected_norm)
+        torch.testing.assert_close(grad, expected)
+        assert frozen_grad is None
 
 
 @pytest.mark.parametrize(
@@ -730,6 +839,59 @@ def test_an_inf_or_negative_norm_over_a_gradient_without_elements_is_refused_on_
         torch.testing.assert_close(norm, expected)
 
 
+@pytest.mark.parametrize("norm_type", [INF, -1.0])
+def test_an_empty_gradient_beside_a_mesh_without_any_gradient_is_refused_on_every_rank(
+    norm_type: float,
+) -> None:
+    # Rank 0's own gradient without elements; the only mesh holds a frozen DTensor, whose
+    # all-reduce tells rank 1 of it all the same.
+    def rank_main(rank: int) -> tuple[str, torch.Tensor]:
+        mesh = init_device_mesh("cpu", (2,))
+        frozen = nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+        bias = plain_with_grad(torch.tensor([2.0, -3.0]))
+        params = [frozen, bias, plain_with_grad(torch.zeros(0))] if rank == 0 else [frozen, bias]
+        with pytest.raises(RuntimeError) as info:
+            clip_grad_norm_(params, 1e-3, norm_type)
+        return str(info.value), bias.grad  # type: ignore[return-value]
+
+    results = run_threads(2, rank_main)
+    assert {message for message, _ in results} == {  # the one whole-message check of this error
+        f"clip_grad_norm_: the {norm_type} norm of a gradient without elements is undefined "
+        "(there is no largest or smallest value to take, nor a negative power to add), and "
+        "torch.nn.utils.clip_grad_norm_ refuses it too. Leave the parameter out or set its "
+        "grad to None, or clip with a positive p-norm such as norm_type=2.0"
+    }
+    for _, grad in results:
+        assert torch.equal(grad, torch.tensor([2.0, -3.0]))  # nothing scaled
+
+
+@pytest.mark.parametrize("norm_type", [0.0, 0.5, 2.0])
+def test_a_gradient_without_elements_counts_as_nothing_in_a_norm_torch_accepts_it_in(
+    norm_type: float,
+) -> None:
+    # torch refuses only inf, -inf and a negative p over no elements: the 0-"norm" and a
+    # positive p count such a gradient as nothing, without a process group and on every rank.
+    def params() -> list[nn.Parameter]:
+        return [plain_with_grad(torch.zeros(0)), plain_with_grad(torch.tensor([2.0, -3.0]))]
+
+    expected = params()
+    expected_norm = torch.nn.utils.clip_grad_norm_(expected, 1.0, norm_type)
+    assert not dist.is_initialized()
+    mine = params()
+    torch.testing.assert_close(clip_grad_norm_(mine, 1.0, norm_type), expected_norm)
+    for param, twin in zip(mine, expected, strict=True):
+        torch.testing.assert_close(param.grad, twin.grad)
+
+    def rank_main(rank: int) -> torch.Tensor:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = nn.Parameter(distribute_tensor(torch.zeros(0), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(torch.zeros(0), mesh, [Shard(0)])
+        return clip_grad_norm_([weight, *params()], 1.0, norm_type)
+
+    for norm in run_threads(2, rank_main):
+        torch.testing.assert_close(norm, expected_norm)
+
+
 @pytest.mark.usefixtures("detail")
 @pytest.mark.parametrize("other", ["plain", "none"])
 @pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside-dtensors"])
@@ -848,6 +1010,22 @@ def test_without_a_process_group_an_inf_norm_over_an_empty_gradient_is_refused_a
     with pytest.raises(RuntimeError):
         clip_grad_norm_(mine, 1.0, norm_type)
     assert torch.equal(mine[0].grad, torch.full((3,), 2.0))  # nothing scaled
+
+
+def test_on_a_torch_built_without_collectives_plain_gradients_are_clipped_as_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Such a build's torch.distributed has is_available(), False, and none of the functions
+    # of process groups, nor the debug level: no check may ask for them.
+    monkeypatch.setattr(dist, "is_available", lambda: False)
+    for name in ("is_initialized", "get_debug_level", "get_rank", "get_world_size"):
+        monkeypatch.delattr(dist, name)
+    grads = [torch.tensor([3.0, -4.0]), torch.tensor([12.0])]
+    expected_norm, expected = expected_clip(grads, 1.0, 2.0)
+    params = [plain_with_grad(grad) for grad in grads]
+    torch.testing.assert_close(clip_grad_norm_(params, 1.0), expected_norm)
+    for param, grad in zip(params, expected, strict=True):
+        torch.testing.assert_close(param.grad, grad)
 
 
 @pytest.mark.parametrize("level", [dist.DebugLevel.OFF, dist.DebugLevel.DETAIL], ids=str)

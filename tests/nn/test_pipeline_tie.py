@@ -542,12 +542,38 @@ def test_clipping_before_reduce_grads_is_refused_and_changes_nothing() -> None:
     two_stage_loss(*stages).backward()
     params = [p for stage in stages for p in stage.parameters()]
     before = [p.grad.clone() for p in params]  # type: ignore[union-attr]
-    with pytest.raises(RuntimeError, match=r"reduce_grads\(\)"):
+    with pytest.raises(RuntimeError, match=r"reduce_grads\(\)") as info:
         pipeline_clip_grad_norm_(params, 1e-3, tie=tie)
+    assert str(info.value) == (  # the one whole-message check of this error
+        "pipeline_clip_grad_norm_ was called before PipelineTie.reduce_grads(): a copy of the "
+        "tied weight but the first still holds its part of the gradient, which the norm would "
+        "leave out; call tie.reduce_grads() on every rank first"
+    )
     for param, grad in zip(params, before, strict=True):
         assert torch.equal(param.grad, grad)  # type: ignore[arg-type]
     tie.reduce_grads()
     pipeline_clip_grad_norm_(params, 1e-3, tie=tie)  # then it clips
+
+
+def test_clipping_over_a_two_dimensional_mesh_is_refused_and_its_pipeline_dimension_accepted(
+    one_rank: DeviceMesh,
+) -> None:
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "pp"))
+    layer = nn.Linear(3, 2)
+    grads = [torch.full_like(param, 2.0) for param in layer.parameters()]
+    for param, grad in zip(layer.parameters(), grads, strict=True):
+        param.grad = grad.clone()
+    with pytest.raises(ValueError, match=r"^pipeline_clip_grad_norm_") as info:
+        pipeline_clip_grad_norm_(layer.parameters(), 1.0, group=mesh)
+    assert str(info.value) == (  # the one whole-message check of this error
+        "pipeline_clip_grad_norm_ needs a 1-D DeviceMesh of the pipeline ranks, got a 2-D "
+        'mesh; pass the pipeline dimension, such as mesh["pp"]'
+    )
+    for param, grad in zip(layer.parameters(), grads, strict=True):
+        assert torch.equal(param.grad, grad)  # type: ignore[arg-type] # nothing scaled
+    expected = torch.nn.utils.get_total_norm(grads)
+    norm = pipeline_clip_grad_norm_(layer.parameters(), 1e9, group=mesh["pp"])
+    torch.testing.assert_close(norm, expected)
 
 
 def test_a_copy_replaced_after_set_up_is_refused_beside_copies_that_were_not() -> None:
