@@ -292,9 +292,13 @@ def build(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lockstep(session: nox.Session) -> None:
-    """Check that every package, CHANGELOG.md and the docs agree with ``VERSION``."""
+    """Check that every package, CHANGELOG.md and the docs agree with ``VERSION``.
+
+    It also runs the tests of the release and mutation scripts (``tests/release``,
+    ``tests/mutation``), which need no torch.
+    """
     install(session, groups=("lockstep",))
-    session.run("pytest", "tests/release", *session.posargs)
+    session.run("pytest", "tests/release", "tests/mutation", *session.posargs)
     session.run("python", "scripts/lockstep.py", "check")
 
 
