@@ -324,9 +324,10 @@ def mutation(session: nox.Session) -> None:
     single-process tests, then the compile and multi-rank tests run against each mutant still
     alive; it fails on a survivor missing from ``tests/mutation/equivalent.toml`` or on a stale
     entry there, and ``-- --record`` writes its commit and score to
-    ``tests/mutation/whole-run.toml``. ``-- --changed`` (what CI runs) mutates only the
-    functions changed since that commit and those a changed test file reaches, at most
-    ``--budget`` mutants, and skips before installing anything when nothing changed. The
+    ``tests/mutation/whole-run.toml``. ``-- --changed`` mutates only the functions changed
+    since that commit and those a changed test file reaches, at most ``--budget`` mutants,
+    and skips before installing anything when nothing changed (``-- --changed --list``, what
+    CI runs until a whole run of the sources passes, only prints them). The
     packages are installed, not editable: the tests import the mutated copy.
     """
     if "--changed" in session.posargs:
