@@ -7,10 +7,10 @@ single-process tests that reach each mutant; the slow pass runs the compile and 
 tests, which mutmut cannot, against each mutant still alive, written into a plain copy of the
 sources. A survivor fails the run unless ``tests/mutation/equivalent.toml`` lists it.
 
-``--record`` writes a passing whole run's commit and score to ``tests/mutation/whole-run.toml``.
-``--changed`` runs the mutants of the functions whose code differs from that commit's, then of
-those a changed test module reaches, in that order, at most ``--budget``. ``--check-release``
-fails when the packages' sources differ from that commit's.
+``--record`` writes a whole run's commit and score to ``tests/mutation/whole-run.toml``;
+``--resume`` goes on with a whole run's ``.mutation/``. ``--changed`` runs the mutants of the
+functions whose text differs from that commit's, then of those a changed test module reaches,
+at most ``--budget``. ``--check-release`` fails on other sources or a run that did not pass.
 """
 
 from __future__ import annotations
