@@ -366,6 +366,20 @@ def test_rank_local_tokens_on_a_vocabulary_shard_are_refused_on_every_rank(
         )
 
 
+def _refused_targets(
+    weight: Tensor, x: Tensor, targets: Callable[[int], Tensor]
+) -> list[tuple[str, Tensor | None]]:
+    """Each rank's message and weight gradient after its call with ``targets(rank)`` is refused."""
+
+    def rank_main(rank: int) -> tuple[str, Tensor | None]:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        with pytest.raises(ValueError, match="every rank") as info:
+            head.cross_entropy(x.clone().requires_grad_(), targets(rank))
+        return str(info.value), head.tied_module.weight.grad
+
+    return run_threads(2, rank_main)
+
+
 @pytest.mark.parametrize("position", [0, 9])
 def test_targets_that_differ_in_one_position_are_refused_on_every_rank(
     position: int, detail: bool
@@ -374,15 +388,12 @@ def test_targets_that_differ_in_one_position_are_refused_on_every_rank(
     checksum of the first all-reduce tells them apart (under DETAIL, the exact comparison)."""
     weight, x, target, _ = _case(17, 2)
 
-    def rank_main(rank: int) -> tuple[str, Tensor | None]:
-        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+    def targets(rank: int) -> Tensor:
         mine = target.clone()
         mine.view(-1)[position] = (mine.view(-1)[position] + rank) % 17
-        with pytest.raises(ValueError, match="every rank") as info:
-            head.cross_entropy(x.clone().requires_grad_(), mine)
-        return str(info.value), head.tied_module.weight.grad
+        return mine
 
-    for message, grad in run_threads(2, rank_main):
+    for message, grad in _refused_targets(weight, x, targets):
         assert "same tokens and targets on every rank" in message
         assert grad is None
 
@@ -405,15 +416,12 @@ def test_targets_that_differ_in_two_positions_are_refused_on_every_rank(
     all-reduce (under DETAIL, the exact comparison)."""
     weight, x, target, _ = _case(17, 2)
 
-    def rank_main(rank: int) -> tuple[str, Tensor | None]:
-        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+    def targets(rank: int) -> Tensor:
         mine = target.clone()
         mine.view(-1)[:2] = torch.tensor(TWO_POSITIONS[case][rank])
-        with pytest.raises(ValueError, match="every rank") as info:
-            head.cross_entropy(x.clone().requires_grad_(), mine)
-        return str(info.value), head.tied_module.weight.grad
+        return mine
 
-    for message, grad in run_threads(2, rank_main):
+    for message, grad in _refused_targets(weight, x, targets):
         assert "same tokens and targets on every rank" in message
         assert grad is None
 
@@ -454,15 +462,12 @@ def test_targets_of_the_same_checksum_are_refused_on_every_rank_under_detail(
     weight, x, target, _ = _case(17, 2)
     assert target.view(-1)[:2].tolist() == [0, 8]
 
-    def rank_main(rank: int) -> tuple[str, Tensor | None]:
-        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+    def targets(rank: int) -> Tensor:
         mine = target.clone()
         mine.view(-1)[:2] += torch.tensor([3, -1]) * rank
-        with pytest.raises(ValueError, match="every rank") as info:
-            head.cross_entropy(x.clone().requires_grad_(), mine)
-        return str(info.value), head.tied_module.weight.grad
+        return mine
 
-    for message, grad in run_threads(2, rank_main):
+    for message, grad in _refused_targets(weight, x, targets):
         assert "same tokens and targets on every rank" in message
         assert "but the ranks' targets differ (this rank has 10 tokens):" in message
         assert grad is None
