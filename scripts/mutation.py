@@ -153,8 +153,9 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def mutmut_run(patterns: Sequence[str], children: int = os.cpu_count() or 1) -> None:
+def mutmut_run(patterns: Sequence[str]) -> None:
     """The fast pass: ``mutmut run`` in the workspace, over the mutants ``patterns`` match."""
+    children = os.cpu_count() or 1
     command = [sys.executable, "-m", "mutmut", "run", f"--max-children={children}", *patterns]
     subprocess.run(command, cwd=WORKSPACE, env=clean_env(), check=True)
 
