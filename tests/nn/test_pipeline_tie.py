@@ -294,13 +294,16 @@ def test_a_forgotten_broadcast_is_refused_and_nothing_changes() -> None:
     tie.check()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2],
+)
 def test_copies_one_bit_apart_are_told_apart_in_every_dtype(dtype: torch.dtype) -> None:
     first, last = (stage.to(dtype) for stage in stages_of(0, 2))
     tie = PipelineTie([first, last])
     tie.reduce_grads()  # equal: nothing to say
     bits = last.emb.weight.data.view(-1).view(
-        {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
     )
     bits[5] += 1  # the next value of one element
     with pytest.raises(RuntimeError, match=r"tie\.broadcast\(\)"):

@@ -105,8 +105,9 @@ class PipelineTie:
         self._params = {
             n: [p[-1].get_parameter("weight") for p in ps] for n, ps in self._paths.items()
         }
-        dtypes = [layout.dtype for layout in self._layouts.values()]
-        self._dtype = functools.reduce(torch.promote_types, dtypes)
+        dtype = functools.reduce(torch.promote_types, [x.dtype for x in self._layouts.values()])
+        # The buffer of reduce_grads() also carries checksum bytes, 0 to 255, which float8 rounds.
+        self._dtype = torch.float32 if dtype.itemsize == 1 else dtype
         self._device = next((p for m in modules for p in m.parameters()), torch.empty(0)).device
         self.broadcast()
         self._late = False  # whether a copy but the first held a gradient at broadcast()
