@@ -296,7 +296,14 @@ def test_a_forgotten_broadcast_is_refused_and_nothing_changes() -> None:
 
 @pytest.mark.parametrize(
     "dtype",
-    [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2],
+    [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    ],
 )
 def test_copies_one_bit_apart_are_told_apart_in_every_dtype(dtype: torch.dtype) -> None:
     first, last = (stage.to(dtype) for stage in stages_of(0, 2))

@@ -388,7 +388,7 @@ def mesh_norm(
     )
     if not agreed[0]:
         return None, empty, _UNEQUAL  # the flags below would differ in length
-    named = _detail() or not all(agreed[1:])
+    named = _detail() or not all(agreed)  # agreed[0] holds here
     problem = gradient_on_some_ranks(group, mesh) if named else None
     if problem is not None:  # the same on every rank of the mesh: each returns here
         return None, empty, problem
@@ -481,21 +481,24 @@ def combine(
     with torch.device(device):
         part = torch.tensor(-math.inf if infinite else 0.0, dtype=torch.float64)
         if norm is not None:
-            part = norm.to(part).copysign(norm_type) if infinite else norm.to(part)
-            part = part.pow(norm_type) if not infinite and norm_type != 0 else part
-        checks = torch.tensor(counts, dtype=torch.float64)
+            part = norm.to(part)
+            if infinite:
+                part = part.copysign(norm_type)
+            elif norm_type != 0:
+                part = part.pow(norm_type)
+        checks = part.new_tensor(counts)
         spread = -checks if infinite else checks.square()
-        flags = torch.stack([part.isnan(), torch.tensor(held), torch.tensor(empty)])
-        payload = torch.cat([part[None], flags.to(part), checks, spread])
+        flags = part.new_tensor([held, empty])  # beside whether the part is nan, which cat promotes
+        payload = torch.cat([part[None], part.isnan()[None], flags, checks, spread])
     reduce(payload, op)
     part, nan, held_by, empty_by = payload[:4]
-    firsts, seconds = (half.tolist() for half in payload[4:].tensor_split(2))
-    # The largest equals the smallest; under SUM, size * sum(x ** 2) == sum(x) ** 2, which
-    # holds only where every x is the same. Both sides are compared as Python integers: the
-    # sums are exact in float64 (the integers are below 2 ** 53), their squares may not be.
+    # Each count's sum beside its spread's. The largest equals the smallest; under SUM,
+    # size * sum(x ** 2) == sum(x) ** 2, which holds only where every x is the same. Both
+    # sides are compared as Python integers: the sums are exact in float64 (the integers are
+    # below 2 ** 53), their squares may not be.
     agreed = [
         x == -y if infinite else int(x) ** 2 == size * int(y)
-        for x, y in zip(firsts, seconds, strict=True)
+        for x, y in payload[4:].view(2, -1).T.tolist()
     ]
     if not held_by:
         return None, bool(empty_by), agreed
