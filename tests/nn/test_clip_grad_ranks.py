@@ -1033,8 +1033,8 @@ def test_the_checks_ride_the_norms_all_reduce_and_detail_adds_its_own(
     level: dist.DebugLevel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # What the guide says each check costs: by default the counts ride the norm's one
-    # all-reduce of 14 float64 (part, nan, held, empty; 2 counts and the 3 digits of which
-    # parameters have a gradient, and their squares); under
+    # all-reduce of 15 float64 (part, nan, a one, held, empty; 2 counts and the 3 digits of
+    # which parameters have a gradient, and their squares); under
     # DETAIL, the agreement over the default group (2 * world + 1 int32) and the flags of
     # which parameters have a gradient (2 int32 a parameter) come in collectives of their own.
     sizes: dict[int, list[tuple[torch.dtype, int]]] = {0: [], 1: []}
@@ -1058,7 +1058,7 @@ def test_the_checks_ride_the_norms_all_reduce_and_detail_adds_its_own(
         run_threads(2, rank_main)
     finally:
         dist.set_debug_level(default)
-    norm = [(torch.float64, 14)]
+    norm = [(torch.float64, 15)]
     expected = norm if level == dist.DebugLevel.OFF else [(torch.int32, 5), *norm, (torch.int32, 2)]
     assert sizes == {0: expected, 1: expected}
 

@@ -141,7 +141,9 @@ def pipeline_clip_grad_norm_(
     has_grads = any(p.grad is not None for group in counted for p in group)
     local, empty, problem = total_norm(counted, norm_type, foreach)
     total: torch.Tensor | None = local
-    agreed = [True, True]
+    # Whether this rank's meshes refused, or it clips before reduce_grads(), rides too, so
+    # that every rank raises.
+    flags = [has_grads, empty, problem is not None, early]
     if dist.get_world_size(pipeline) > 1:
         from torch.distributed.distributed_c10d import _get_object_coll_device  # noqa: PLC0415
 
@@ -149,18 +151,14 @@ def pipeline_clip_grad_norm_(
             dist.all_reduce(payload, op=op, group=pipeline)
 
         norm = local if has_grads else None  # a rank without gradients takes no part
-        size, device = dist.get_world_size(pipeline), _get_object_coll_device(pipeline)
-        # Whether this rank's meshes refused, or it clips before reduce_grads(), rides too, so
-        # that every rank raises.
-        refused = [int(problem is not None), int(early)]
-        total, empty, agreed = combine(
-            norm, has_grads, empty, refused, norm_type, size, device, reduce
-        )
+        device = _get_object_coll_device(pipeline)
+        total, flags, _ = combine(norm, flags, [], norm_type, device, reduce)
+    _, empty, refused, early = flags
     if problem is not None:
         raise ValueError(problem)
-    if not agreed[0]:  # the ranks of another stage refused theirs
+    if refused:  # the ranks of another stage refused theirs
         raise ValueError(_OTHER_STAGE)
-    if early or not agreed[1]:
+    if early:
         raise RuntimeError(
             "pipeline_clip_grad_norm_ was called before PipelineTie.reduce_grads(): a copy of "
             "the tied weight but the first still holds its part of the gradient, which the norm "
@@ -383,8 +381,8 @@ def mesh_norm(
     norm = vector_norm(mine, norm_type, foreach) if mine and norm_type != 0 else None
     counts = [len(group), held, *presence(grads)]
     reduce = functools.partial(all_reduce, mesh)
-    total, empty, agreed = combine(
-        norm, held > 0, empty, counts, norm_type, mesh.size(), anchor.device, reduce
+    total, (_, empty), agreed = combine(
+        norm, [held > 0, empty], counts, norm_type, anchor.device, reduce
     )
     if not agreed[0]:
         return None, empty, _UNEQUAL  # the flags below would differ in length
@@ -452,29 +450,28 @@ def gradient_on_some_ranks(group: list[torch.Tensor], mesh: DeviceMesh) -> str |
 
 def combine(
     norm: torch.Tensor | None,
-    held: bool,
-    empty: bool,
+    flags: list[bool],
     counts: list[int],
     norm_type: float,
-    size: int,
     device: torch.device | str,
     reduce: Callable[[torch.Tensor, dist.ReduceOp.RedOpType], None],
-) -> tuple[torch.Tensor | None, bool, list[bool]]:
-    """The norm over ``size`` ranks of each rank's ``norm``, in the one all-reduce ``reduce``.
+) -> tuple[torch.Tensor | None, list[bool], list[bool]]:
+    """The norm over the ranks of each rank's ``norm``, in the one all-reduce ``reduce``.
 
     Each rank adds its part, in float64: for a p-norm the p-th power of its norm, to a SUM
     (for the 0-"norm", a count, the count itself); for ``inf`` and ``-inf`` its norm signed as
     ``norm_type``, to a MAX, whose absolute value is then the largest or the smallest norm. A
     rank without a norm adds the reduction's identity, so that it takes no part (``0 ** p``
     is infinite for a negative p). Beside the part ride whether it is nan (gloo's MAX may
-    drop one), ``held`` (whether the rank has a gradient), ``empty``, and ``counts``, which
-    must be equal on every rank: each with its negative under MAX, its square under SUM.
-    Each count is a natural number whose square times ``size`` is below ``2 ** 53``, so that
-    float64 adds them exactly.
+    drop one), a one (under SUM, their sum is the number of ranks), ``flags``, the first of
+    which says whether the rank has a gradient, and ``counts``, which must be equal on every
+    rank: each with its negative under MAX, its square under SUM. Each count is a natural
+    number whose square times the number of ranks is below ``2 ** 53``, so that float64 adds
+    them exactly.
 
     Returns:
-        The norm (None where no rank holds a gradient), whether a rank is ``empty``, and for
-        each count whether every rank has the same.
+        The norm (None where no rank has a gradient), for each flag whether some rank set
+        it, and for each count whether every rank has the same.
     """
     infinite = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
@@ -488,22 +485,24 @@ def combine(
                 part = part.pow(norm_type)
         checks = part.new_tensor(counts)
         spread = -checks if infinite else checks.square()
-        flags = part.new_tensor([held, empty])  # beside whether the part is nan, which cat promotes
-        payload = torch.cat([part[None], part.isnan()[None], flags, checks, spread])
+        head = part.new_tensor([1, *flags])  # a one, whose sum counts the ranks, and the flags
+        payload = torch.cat([part[None], part.isnan()[None], head, checks, spread])  # float64
     reduce(payload, op)
-    part, nan, held_by, empty_by = payload[:4]
+    part, nan = payload[:2]
+    size, *set_by = payload[2 : 3 + len(flags)].tolist()
     # Each count's sum beside its spread's. The largest equals the smallest; under SUM,
     # size * sum(x ** 2) == sum(x) ** 2, which holds only where every x is the same. Both
     # sides are compared as Python integers: the sums are exact in float64 (the integers are
     # below 2 ** 53), their squares may not be.
     agreed = [
-        x == -y if infinite else int(x) ** 2 == size * int(y)
-        for x, y in payload[4:].view(2, -1).T.tolist()
+        x == -y if infinite else int(x) ** 2 == int(size) * int(y)
+        for x, y in payload[3 + len(flags) :].view(2, -1).T.tolist()
     ]
-    if not held_by:
-        return None, bool(empty_by), agreed
+    some = [bool(x) for x in set_by]
+    if not some[0]:
+        return None, some, agreed
     total = part.abs() if infinite else part if norm_type == 0 else part.pow(1.0 / norm_type)
-    return torch.where(nan > 0, math.nan, total), bool(empty_by), agreed
+    return torch.where(nan > 0, math.nan, total), some, agreed
 
 
 def vector_norm(
