@@ -108,7 +108,8 @@ class PipelineTie:
         dtype = functools.reduce(torch.promote_types, [x.dtype for x in self._layouts.values()])
         # The buffer of reduce_grads() also carries checksum bytes, 0 to 255, which float8 rounds.
         self._dtype = torch.float32 if dtype.itemsize == 1 else dtype
-        self._device = next((p for m in modules for p in m.parameters()), torch.empty(0)).device
+        params = [p for m in modules for p in m.parameters()]
+        self._device = params[0].device if params else torch.get_default_device()
         self.broadcast()
         self._late = False  # whether a copy but the first held a gradient at broadcast()
 
@@ -154,10 +155,11 @@ class PipelineTie:
         # One buffer: the gradients several ranks hold, each name's flags and checksums, 2 more.
         shared = [n for n in self.names if n in self._shared]
         shapes = [self._layouts[n].local_shard_shape for n in shared]
-        checks = [3 + 8 * sum(self._copies[n]) for n in self.names]
+        checks = {n: 3 + 8 * sum(self._copies[n]) for n in self.names}
         grads = [math.prod(shape) for shape in shapes]
-        flat = torch.zeros(sum(grads) + sum(checks) + 2, dtype=self._dtype, device=self._device)
-        *parts, problems = torch.split(flat, [*grads, *checks, 2])
+        size = sum(grads) + sum(checks.values()) + 2
+        flat = torch.zeros(size, dtype=self._dtype, device=self._device)
+        *parts, problems = torch.split(flat, [*grads, *checks.values(), 2])
         totals = {n: p.view(shape) for n, p, shape in zip(shared, parts, shapes, strict=False)}
         replaced = False
         for name, check in zip(self.names, parts[len(shared) :], strict=True):
@@ -178,9 +180,9 @@ class PipelineTie:
         if shared:
             dist.all_reduce(flat, group=self.group)
         found = iter(flat[sum(grads) :].tolist())  # the one host sync
-        checked = [list(itertools.islice(found, n)) for n in checks]
+        checked = {name: list(itertools.islice(found, n)) for name, n in checks.items()}
         self._refuse(checked, *found)  # and whether a copy was replaced, or late
-        for name, (counted, *_) in zip(self.names, checked, strict=True):
+        for name, (counted, *_) in checked.items():
             if not counted:  # no rank has a gradient: every copy keeps None
                 continue
             params = self._params[name]
@@ -192,14 +194,14 @@ class PipelineTie:
             if keeps:
                 _local(params[0].grad).copy_(totals[name])  # type: ignore[arg-type]
 
-    def _refuse(self, checked: list[list[float]], replaced: float, late: float) -> None:
+    def _refuse(self, checked: dict[str, list[float]], replaced: float, late: float) -> None:
         """Raise the first problem that the ranks found, the same on every rank."""
         if replaced:
             raise ValueError(
                 "PipelineTie.reduce_grads() found a tied copy whose Parameter is not the one the "
                 "tie was built with (fully_shard after it, say); build it after wrapping the stages"
             )
-        for name, (_, frozen, trained, *sums) in zip(self.names, checked, strict=True):
+        for name, (_, frozen, trained, *sums) in checked.items():
             if frozen and trained:
                 raise ValueError(
                     f"PipelineTie.reduce_grads() found copies of the tied weight '{name}.weight' "
