@@ -319,6 +319,18 @@ def test_copies_one_bit_apart_are_told_apart_in_every_dtype(dtype: torch.dtype) 
     tie.reduce_grads()
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_copies_gradients_are_summed_in_float32_and_rounded_once(dtype: torch.dtype) -> None:
+    first, last = (stage.to(dtype) for stage in stages_of(0, 2))
+    tie = PipelineTie([first, last])
+    grads = [torch.full((17, 8), 0.3).to(dtype), torch.full((17, 8), 0.4).to(dtype)]
+    first.emb.weight.grad, last.emb.weight.grad = (g.clone() for g in grads)  # type: ignore[union-attr]
+    tie.reduce_grads()
+    expected = (grads[0].float() + grads[1].float()).to(dtype)
+    assert torch.equal(first.emb.weight.grad.view(torch.uint8), expected.view(torch.uint8))  # type: ignore[union-attr]
+    assert last.emb.weight.grad is None  # type: ignore[union-attr]
+
+
 def test_copies_viewing_a_flat_buffer_at_any_offset_are_checked() -> None:
     # As parameters packed in one buffer are: each copy's storage starts 4 bytes past a word.
     first, last = stages_of(0, 2)

@@ -671,7 +671,8 @@ def test_tied_modules_nested_in_the_stages_are_summed_as_one_weight() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_copies_one_bit_apart_on_two_ranks_are_refused_on_every_rank(dtype: torch.dtype) -> None:
-    # The checksums ride the all_reduce in the gradients' dtype: 8 bytes a copy, each exact.
+    # The checksums ride the all_reduce in the gradients' dtype (float32 for float8): 8 bytes
+    # a copy, each exact.
     stages = [stage.to(dtype) for stage in stages_of(0, 3)]
 
     # Any one bit of the last element flipped, the low bit (the next value) to the sign bit.

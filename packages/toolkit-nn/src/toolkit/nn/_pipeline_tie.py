@@ -173,7 +173,7 @@ class PipelineTie:
                 check[start : start + 8] = _checksum(_local(param))
                 start += 8
                 if param.grad is not None and name in totals:
-                    totals[name].add_(_local(param.grad))
+                    totals[name].add_(_local(param.grad).to(self._dtype))  # float8 as well
                 elif param.grad is not None:  # held here alone: no buffer on other ranks
                     totals[name] = _local(param.grad).to(self._dtype, copy=True)
         problems.copy_(problems.new_tensor([replaced, self._late]))
