@@ -756,13 +756,15 @@ def _float_code(value: float) -> int:
 class _SameCall(NamedTuple):
     """This rank's call, as the ranks of a shard compare it, in an all-reduce by maximum.
 
-    ``entries``: 0 (1 on a rank whose arguments were refused), then each value that ``shown``
-    names, as four 16-bit pieces of its int64 code, then the pieces negated. The maximum of
-    the pieces is the negated maximum of their negations only where every rank has the same,
-    exactly, in any floating dtype. ``shown`` gives each value's name and this rank's value.
+    ``entries``: 0 (1 on a rank whose arguments were refused), then each value that
+    ``_TOKENS`` and ``_CHECKED`` name, as four 16-bit pieces of its int64 code, then the
+    pieces negated. The maximum of the pieces is the negated maximum of their negations only
+    where every rank has the same, exactly, in any floating dtype. ``tokens`` is this rank's
+    number of tokens, and ``shown`` each option's name and this rank's value.
     """
 
     entries: torch.Tensor
+    tokens: int
     shown: tuple[tuple[str, object], ...]
 
 
@@ -774,13 +776,13 @@ def _same_call(target: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool)
     label_smoothing or z_loss; another chunk, reduction or ``requires_grad`` would make
     all-reduces of other sizes or make one rank reduce x's gradient alone (a hang), and another
     ``ignore_index`` or reduction would give another loss and weight gradient. The targets are
-    compared by a checksum: the sum, modulo 2**64, of each target plus one (0 where ignored)
-    times ``2 * position + 1``, so that targets that differ in one position always differ in
-    it, and so do targets of the vocabulary swapped between two positions.
+    compared by a checksum: the sum, modulo 2**64, of each target (``ignore_index`` where
+    ignored) times ``2 * position + 1``, so that targets that differ in one position always
+    differ in it, and so do targets of the vocabulary swapped between two positions.
     """
     counted = target != o.ignore_index
     weights = torch.arange(len(target), device=target.device).mul_(2).add_(1)
-    checksum = (torch.where(counted, target, -1) + 1).mul_(weights).sum()
+    checksum = (target * weights).sum()
     options = (
         (o.chunk_size, o.chunk_size),
         (o.ignore_index, o.ignore_index),
@@ -797,11 +799,8 @@ def _same_call(target: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool)
     shifts = target.new_tensor([0, 16, 32, 48])
     pieces = ((codes.unsqueeze(1) >> shifts) & 0xFFFF).flatten()
     pieces = pieces.to(_accumulation_dtype(o.mm_dtype))
-    shown = (
-        *zip(_TOKENS, (len(target), None, None), strict=True),
-        *((name, value) for name, (value, _) in zip(_CHECKED, options, strict=True)),
-    )
-    return _SameCall(torch.cat([pieces.new_zeros(1), pieces, -pieces]), shown)
+    shown = tuple((name, options[i][0]) for i, name in enumerate(_CHECKED))
+    return _SameCall(torch.cat([pieces.new_zeros(1), pieces, -pieces]), len(target), shown)
 
 
 def _raise_unless_same(call: _SameCall, reduced: torch.Tensor) -> None:
@@ -815,11 +814,8 @@ def _raise_unless_same(call: _SameCall, reduced: torch.Tensor) -> None:
     same = (reduced[1 : half + 1] == -reduced[half + 1 :]).view(-1, 4).all(1).tolist()
     tokens, options = same[: len(_TOKENS)], same[len(_TOKENS) :]
     if tokens[0] and not all(options):  # a different count is said below, as other tokens
-        differ = " and ".join(
-            f"{name} ({shown!r} here)"
-            for (name, shown), agreed in zip(call.shown[len(_TOKENS) :], options, strict=True)
-            if not agreed
-        )
+        differing = itertools.compress(call.shown, [not agreed for agreed in options])
+        differ = " and ".join(f"{name} ({shown!r} here)" for name, shown in differing)
         raise ValueError(
             f"TiedLinear.cross_entropy on a vocabulary-sharded weight needs the same options, "
             f"dtype and requires_grad on every rank of the tensor-parallel group, but the "
@@ -827,7 +823,7 @@ def _raise_unless_same(call: _SameCall, reduced: torch.Tensor) -> None:
             f"under grad mode only)."
         )
     if not all(tokens):
-        raise _other_tokens(call.shown[0][1])
+        raise _other_tokens(call.tokens)
 
 
 def _other_tokens(tokens: object) -> ValueError:
@@ -867,7 +863,7 @@ def _join_refused(weight: torch.Tensor, shard: VocabShard | None) -> None:
         return
     size = _CALL_ENTRIES + (0 if _detail() else _FIRST_ROWS)
     refused = torch.zeros(size, dtype=_accumulation_dtype(weight.dtype), device=weight.device)
-    refused[0] = 1.0
+    refused[0] = True
     _all_reduce(refused, shard, torch.distributed.ReduceOp.MAX)
 
 
