@@ -151,7 +151,7 @@ def pipeline_clip_grad_norm_(
             dist.all_reduce(payload, op=op, group=pipeline)
 
         norm = local if has_grads else None  # a rank without gradients takes no part
-        device = _get_object_coll_device(pipeline)
+        device = _get_object_coll_device(pipeline)  # pragma: no mutate
         total, flags, _ = combine(norm, flags, [], norm_type, device, reduce)
     _, empty, refused, early = flags
     if problem is not None:

@@ -408,7 +408,6 @@ def _lean_forward(model: Any, path: str, kind: str, kwargs: dict[str, Any]) -> A
 
     config, route = model.config, ROUTES[kind]
     labels = kwargs.pop("labels")
-    kwargs.pop("logits_to_keep", None)
     return_dict = kwargs.pop("return_dict", None)
     if route.router and kwargs.get("output_router_logits") is None:
         kwargs["output_router_logits"] = config.output_router_logits
@@ -424,26 +423,28 @@ def _lean_forward(model: Any, path: str, kind: str, kwargs: dict[str, Any]) -> A
     target = kwargs.get("shift_labels")
     if target is None:  # as transformers shifts: tokens < n predict n
         target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = target.to(hidden.device)  # pragma: no mutate
     num_items = kwargs.get("num_items_in_batch")
     loss = head.cross_entropy(
         hidden,
-        target.to(hidden.device),
+        target,
         ignore_index=ignore_index,
         reduction="mean" if num_items is None else "sum",
         softcap=None if route.softcap is None else getattr(config, route.softcap),
     ).float()  # transformers' loss is float32
     if num_items is not None:
-        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        num_items = torch.as_tensor(num_items, device=loss.device)  # pragma: no mutate
+        loss = loss / num_items
     fields = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
     if route.router and kwargs["output_router_logits"]:
         balance = sys.modules[kind.rpartition(".")[0]].load_balancing_loss_func
         experts = (model.num_experts, model.num_experts_per_tok)
         aux = balance(outputs.router_logits, *experts, kwargs.get("attention_mask"))
-        loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
+        on_loss = aux.to(loss.device)  # pragma: no mutate
+        loss = loss + model.router_aux_loss_coef * on_loss
         fields["aux_loss"] = aux
     result = getattr(modeling_outputs, route.output)(loss=loss, **fields)
-    if (config.return_dict if return_dict is None else return_dict) is not False:
-        return result
-    # As the stock model's to_tuple(): its values that are not None, here None for the logits.
-    values = [(field.name, getattr(result, field.name)) for field in dataclasses.fields(result)]
-    return tuple(value for name, value in values if value is not None or name == "logits")
+    if return_dict is False:  # the stock model's to_tuple(): its values but None, and the logits
+        values = [(f.name, getattr(result, f.name)) for f in dataclasses.fields(result)]
+        return tuple(value for name, value in values if value is not None or name == "logits")
+    return result
