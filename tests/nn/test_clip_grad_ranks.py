@@ -8,6 +8,7 @@ cannot combine (pytorch#180346). Every sharding but the hidden width is uneven.
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from tests.nn.ranks import run_threads
 from toolkit.nn import clip_grad_norm_, pipeline_clip_grad_norm_
+from toolkit.nn._clip_grad import presence
 
 INF = float("inf")
 NORM_TYPES = [0.0, 1.0, 2.0, INF]
@@ -1026,6 +1028,14 @@ def test_on_a_torch_built_without_collectives_plain_gradients_are_clipped_as_tor
     torch.testing.assert_close(clip_grad_norm_(params, 1.0), expected_norm)
     for param, grad in zip(params, expected, strict=True):
         torch.testing.assert_close(param.grad, grad)
+
+
+def test_which_gradients_exist_rides_as_a_48_bit_blake2b_digest_in_three_16_bit_digits() -> None:
+    # What the ranks of a mesh compare beside their counts: BLAKE2b's 6-byte digest of which
+    # parameters have a gradient, as three little-endian 16-bit digits, each exact in float64.
+    digest = hashlib.blake2b(bytes([1, 0, 0, 1]), digest_size=6).digest()
+    expected = [int.from_bytes(digest[i : i + 2], "little") for i in (0, 2, 4)]
+    assert presence([torch.ones(1), None, None, torch.ones(2)]) == expected
 
 
 @pytest.mark.parametrize("level", [dist.DebugLevel.OFF, dist.DebugLevel.DETAIL], ids=str)
