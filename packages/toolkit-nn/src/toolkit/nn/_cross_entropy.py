@@ -776,13 +776,13 @@ def _same_call(target: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool)
     label_smoothing or z_loss; another chunk, reduction or ``requires_grad`` would make
     all-reduces of other sizes or make one rank reduce x's gradient alone (a hang), and another
     ``ignore_index`` or reduction would give another loss and weight gradient. The targets are
-    compared by a checksum: the sum, modulo 2**64, of each target (``ignore_index`` where
-    ignored) times ``2 * position + 1``, so that targets that differ in one position always
-    differ in it, and so do targets of the vocabulary swapped between two positions.
+    compared by a checksum: the sum, modulo 2**64, of each target plus one (0 where ignored)
+    times ``2 * position + 1``, so that targets that differ in one position always differ in
+    it, and so do targets of the vocabulary swapped between two positions.
     """
     counted = target != o.ignore_index
     weights = torch.arange(len(target), device=target.device).mul_(2).add_(1)
-    checksum = (target * weights).sum()
+    checksum = (torch.where(counted, target, -1) + 1).mul_(weights).sum()
     options = (
         (o.chunk_size, o.chunk_size),
         (o.ignore_index, o.ignore_index),

@@ -425,6 +425,8 @@ def _lean_forward(model: Any, path: str, kind: str, kwargs: dict[str, Any]) -> A
         target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     target = target.to(hidden.device)  # pragma: no mutate
     num_items = kwargs.get("num_items_in_batch")
+    if torch.is_tensor(num_items):  # pragma: no mutate block
+        num_items = num_items.to(hidden.device)
     loss = head.cross_entropy(
         hidden,
         target,
@@ -433,7 +435,6 @@ def _lean_forward(model: Any, path: str, kind: str, kwargs: dict[str, Any]) -> A
         softcap=None if route.softcap is None else getattr(config, route.softcap),
     ).float()  # transformers' loss is float32
     if num_items is not None:
-        num_items = torch.as_tensor(num_items, device=loss.device)  # pragma: no mutate
         loss = loss / num_items
     fields = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
     if route.router and kwargs["output_router_logits"]:
