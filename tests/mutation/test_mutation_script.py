@@ -167,8 +167,7 @@ def test_a_change_to_one_function_selects_its_mutants_and_only_those(
     assert mutation.sources_differ(commit, root) == [SRC]
     names = mutation.mutant_names(mutation.source_files(root))
     run, left = mutation.select(["toolkit.x.m.g"], names, sys.maxsize)
-    assert run == names["toolkit.x.m.g"]
-    assert left == 0
+    assert (run, left) == (names["toolkit.x.m.g"], 0)
     assert len(names) == 3  # f, g and C.h each have mutants; only g's run
 
 
@@ -222,18 +221,15 @@ def test_the_tests_a_changed_file_holds_select_the_functions_they_reach(
         "toolkit.x.m.x\u01c1C\u01c1h": ["tests/x/test_h.py::test_h"],
     }
     stats.write_text(json.dumps({"tests_by_mangled_function_name": tests}))
-    reached = mutation.reached_by(stats, ["tests/x/test_g.py"])
-    assert reached == ["toolkit.x.m.f", "toolkit.x.m.g"]
+    assert mutation.reached_by(stats, ["tests/x/test_g.py"]) == ["toolkit.x.m.f", "toolkit.x.m.g"]
 
 
 def test_past_the_budget_whole_functions_run_in_the_fixed_order_and_the_rest_is_counted(
     mutation: ModuleType,
 ) -> None:
     names = {f: [f"m.x_{f[-1]}__mutmut_{n}" for n in (1, 2, 3)] for f in ("m.f", "m.g", "m.h")}
-    assert mutation.select(["m.g", "m.f", "m.g", "m.h"], names, 7) == (
-        [*names["m.g"], *names["m.f"]],
-        3,
-    )
+    run = [*names["m.g"], *names["m.f"]]
+    assert mutation.select(["m.g", "m.f", "m.g", "m.h"], names, 7) == (run, 3)
     assert mutation.select(["m.g", "m.f"], names, 2) == ([], 6)
 
 
