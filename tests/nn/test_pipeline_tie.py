@@ -157,6 +157,15 @@ def test_set_up_and_broadcast_make_every_copy_the_first() -> None:
     assert torch.equal(first.emb.weight, last.emb.weight)
 
 
+def test_a_stage_whose_only_parameter_is_the_tied_weight_takes_its_gradient() -> None:
+    stage = tied(nn.Embedding(5, 3))
+    tie = PipelineTie(stage)
+    x = torch.randn(2, 3)
+    stage.head(x).sum().backward()
+    tie.reduce_grads()
+    torch.testing.assert_close(stage.table.weight.grad, torch.ones(2, 5).T @ x)
+
+
 def test_the_check_names_the_first_difference_and_the_fix() -> None:
     first, last = stages_of(0, 2)
     tie = PipelineTie([first, last])
