@@ -9,6 +9,7 @@ chunked_loss lists has its parity case in ``CAUSAL_LMS``.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import pickle
 from collections.abc import Callable
@@ -308,6 +309,27 @@ def test_switching_under_another_forward_wrapper_is_refused_naming_it(enabled: b
     assert model.forward is outer
     ids, labels = batch()
     assert model(ids, labels=labels).logits is None  # as it was
+
+
+@pytest.mark.parametrize("kind", ["partial", "staticmethod"])
+def test_a_wrapper_that_is_not_a_function_is_named_by_its_class_or_the_function_it_holds(
+    kind: str,
+) -> None:
+    _, model = stock_and_lean(llama)
+    inner = model.forward
+
+    def outer(*args: object, **kwargs: object) -> object:
+        return inner(*args, **kwargs)
+
+    if kind == "partial":
+        model.forward = functools.partial(outer)
+        named = "functools.partial"
+    else:
+        model.forward = staticmethod(outer)
+        named = f"{__name__}.{outer.__qualname__}"
+    with pytest.raises(ValueError, match="chunked_loss=False") as error:
+        tie_output_embeddings(model, chunked_loss=True)
+    assert f"already replaced by {named} (" in str(error.value)
 
 
 def test_a_head_or_loss_function_replaced_after_the_tie_is_refused_at_the_forward() -> None:
