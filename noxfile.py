@@ -325,10 +325,10 @@ def mutation(session: nox.Session) -> None:
     alive; it fails on a survivor missing from ``tests/mutation/equivalent.toml`` or on a stale
     entry there, and ``-- --record`` writes its commit and score to
     ``tests/mutation/whole-run.toml``. ``-- --changed`` mutates only the functions changed
-    since that commit and those a changed test file reaches, at most ``--budget`` mutants,
-    and skips before installing anything when nothing changed (``-- --changed --list``, what
-    CI runs until a whole run of the sources passes, only prints them). The
-    packages are installed, not editable: the tests import the mutated copy.
+    since that commit and those a changed test file reaches, at most ``--budget`` mutants
+    (CI runs ``-- --changed --budget 300``), and skips before installing anything when
+    nothing changed; ``-- --changed --list`` only prints them. The packages are installed,
+    not editable: the tests import the mutated copy.
     """
     if "--changed" in session.posargs:
         plan = session.run("python", "scripts/mutation.py", "--list", *session.posargs, silent=True)

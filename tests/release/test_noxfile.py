@@ -143,7 +143,7 @@ def test_ci_runs_nox_the_torchtitan_session_then_lists_what_changed_since_the_wh
     assert log.read_text().splitlines() == [
         "nox ",
         "nox -s torchtitan",
-        "python3 scripts/mutation.py --changed --list",
+        "nox -s mutation -- --changed --budget 300",
     ]
     assert '-c constraints.txt "nox' in script
     assert os.access(ROOT / ".ci" / "run", os.X_OK)
