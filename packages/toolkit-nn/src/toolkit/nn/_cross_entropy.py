@@ -187,8 +187,8 @@ def _statistics(
         lse, target_logit, total = known
         return _Statistics(lse, target_logit, total, z.sub_(lse.unsqueeze(1)).exp_(), column, here)
     peak = z.amax(1) if rows else z.new_full((tokens,), -math.inf)
-    if check is not None:  # the call's entries, then the maxima padded to one size
-        peak = torch.cat([check.entries, peak, peak.new_full((_FIRST_ROWS - tokens,), -math.inf)])
+    if check is not None:  # the call's entries, then the maxima padded to one size (unread)
+        peak = torch.cat([check.entries, peak, peak.new_empty(_FIRST_ROWS - tokens)])
     peak = _all_reduce(peak, o.shard, torch.distributed.ReduceOp.MAX)
     if check is not None:
         _raise_unless_same(check, peak[: len(check.entries)])
@@ -569,7 +569,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         flat_target = target.reshape(-1)
         vocab = weight.shape[0] if o.shard is None else o.shard.vocab
-        check = _same_call(flat_target, o, want_x=want_x, want_w=want_w) if o.check else None
+        check = _same_call(flat_target, vocab, o, want_x=want_x, want_w=want_w) if o.check else None
         # Checked here, where under torch.func.vmap each entry's targets are a plain tensor;
         # on a shard, once the ranks have compared them: a rank that raised alone would leave
         # the others waiting for it.
@@ -768,21 +768,23 @@ class _SameCall(NamedTuple):
     shown: tuple[tuple[str, object], ...]
 
 
-def _same_call(target: torch.Tensor, o: _Options, *, want_x: bool, want_w: bool) -> _SameCall:
-    """This rank's call on the flattened ``target``: its tokens, then its options.
+def _same_call(
+    target: torch.Tensor, vocab: int, o: _Options, *, want_x: bool, want_w: bool
+) -> _SameCall:
+    """This rank's call on the flattened ``target``, of a vocabulary of ``vocab``.
 
     The per-token statistics of the ranks are summed: a rank with other tokens (under sequence
     parallelism, its own slice) would mix them silently, and so would another softcap, dtype,
     label_smoothing or z_loss; another chunk, reduction or ``requires_grad`` would make
     all-reduces of other sizes or make one rank reduce x's gradient alone (a hang), and another
     ``ignore_index`` or reduction would give another loss and weight gradient. The targets are
-    compared by a checksum: the sum, modulo 2**64, of each target plus one (0 where ignored)
-    times ``2 * position + 1``, so that targets that differ in one position always differ in
-    it, and so do targets of the vocabulary swapped between two positions.
+    compared by a checksum: the sum, modulo 2**64, of each target (``vocab``, which no target
+    is, where ignored) times ``2 * position + 1``, so that targets that differ in one position
+    always differ in it, and so do targets of the vocabulary swapped between two positions.
     """
     counted = target != o.ignore_index
     weights = torch.arange(len(target), device=target.device).mul_(2).add_(1)
-    checksum = (torch.where(counted, target, -1) + 1).mul_(weights).sum()
+    checksum = torch.where(counted, target, vocab).mul_(weights).sum()
     options = (
         (o.chunk_size, o.chunk_size),
         (o.ignore_index, o.ignore_index),
@@ -846,7 +848,7 @@ def _check_same_call(
     In two all-reduces of their own: the call (a fixed size, so that the second has one size
     on every rank), then the targets, exactly, where forward compares them by a checksum.
     """
-    call = _same_call(target.reshape(-1), o, want_x=want_x, want_w=want_w)
+    call = _same_call(target.reshape(-1), shard.vocab, o, want_x=want_x, want_w=want_w)
     _raise_unless_same(call, _all_reduce(call.entries, shard, torch.distributed.ReduceOp.MAX))
     if not _agree(target.reshape(-1), shard).all():
         raise _other_tokens(target.numel())
