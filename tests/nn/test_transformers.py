@@ -385,6 +385,10 @@ REFUSED: dict[str, tuple[Callable[[LlamaForCausalLM], object], list[str]]] = {
         lambda m: _set_head(m, TiedLinear(nn.Embedding(VOCAB, 16))),
         ["not tied to the input embeddings"],
     ),
+    "tied-to-another-model": (
+        lambda m: _set_head(m, tie_output_embeddings(llama())),
+        ["not tied to the input embeddings"],
+    ),
 }
 
 

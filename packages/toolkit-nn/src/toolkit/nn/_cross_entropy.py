@@ -384,9 +384,10 @@ class _Gradients:
         x_dtype = self.acc if self.mm == torch.float16 else self.mm
         self.w_x = w_mm.to(x_dtype)
         self.want_x, self.rows = want_x, rows
-        new = torch.empty if rows is None else torch.zeros
         self.x_buffer = (
-            new(x.shape, dtype=x_dtype, device=x.device) if want_x and self.inplace else None
+            torch.zeros(x.shape, dtype=x_dtype, device=x.device)
+            if want_x and self.inplace
+            else None
         )
         # No rows of x: with no tokens the gradient is this empty start, on x's device.
         self.x_parts: list[torch.Tensor] = [x.detach()[:0]]
@@ -462,8 +463,7 @@ def _chunks(
     tokens = len(target)
     rows = None  # the counted tokens' positions in x, where they are taken apart
     if not (torch.compiler.is_compiling() or torch.is_grad_enabled()):
-        counted = (target != o.ignore_index).nonzero().squeeze(1)
-        rows = None if len(counted) == tokens else counted
+        rows = (target != o.ignore_index).nonzero().squeeze(1)
     if rows is not None:
         target = target[rows]
         row_weight = None if row_weight is None else row_weight[rows]
@@ -504,7 +504,7 @@ def _chunks(
             grad = grad.mul_(factor) if grads.inplace else grad * factor
         grads.add(start, grad, x_c)
     loss = torch.cat(losses) if losses else x.new_zeros((0,), dtype=acc)
-    stats = torch.cat(statistics, 1) if statistics else x.new_zeros((3, 0), dtype=acc)
+    stats = torch.cat(statistics, 1) if statistics else loss.new_zeros((3, 0))
     if rows is not None:  # back in every token's place, 0 in the ignored ones'
         loss = loss.new_zeros(tokens).index_copy_(0, rows, loss)
         stats = stats.new_zeros((3, tokens)).index_copy_(1, rows, stats)

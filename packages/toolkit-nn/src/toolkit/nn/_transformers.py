@@ -129,13 +129,15 @@ def tie_output_embeddings(model: nn.Module, *, chunked_loss: bool = False) -> Ti
             f"{kind} has no output embeddings (get_output_embeddings() returns None); tie a "
             "model with an LM head, such as a ...ForCausalLM class"
         )
+    if isinstance(output, TiedLinear) and not (
+        isinstance(output, _ModelHead) and output.tied_module is embedding
+    ):
+        raise ValueError(f"{kind}'s head already is {output!r}, not tied to the input embeddings")
     modules = dict(model.named_modules())
-    path = next((name for name, module in modules.items() if module is output), "")
-    if isinstance(output, _ModelHead) and output.tied_module is embedding:
+    path = next(name for name, module in modules.items() if module is output)
+    if isinstance(output, _ModelHead):  # tied by an earlier call: only the loss is set again
         _set_chunked_loss(model, chunked_loss, path)
         return output
-    if isinstance(output, TiedLinear):
-        raise ValueError(f"{kind}'s head already is {output!r}, not tied to the input embeddings")
     if _wraps_a_weight(embedding):
         raise _adapter_error(kind, embedding)
     if getattr(output, "weight", None) is not embedding.weight:
