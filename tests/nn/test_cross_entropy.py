@@ -650,6 +650,28 @@ def test_a_chunk_holds_one_logits_sized_tensor_and_only_the_gradients_needed(
             assert not {(12, 2), (50, 2)} & set(mode.shapes)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_backward_keeps_the_inputs_and_the_gradients_of_a_mean_or_sum_only(
+    reduction: str,
+) -> None:
+    """What the loss keeps for backward, besides 0-d stand-ins: x, the weight and the targets,
+    and for a mean or a sum the gradients computed in forward. No per-token statistics: only a
+    vocabulary shard keeps them (``tests/nn/test_cross_entropy_ranks.py``)."""
+    x, weight, target = _inputs(12, 50, 2, F32)
+    x.requires_grad_()
+    weight.requires_grad_()
+    kept: list[tuple[int, ...]] = []
+
+    def pack(saved: Tensor) -> Tensor:
+        kept.append(tuple(saved.shape))
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved):
+        linear_cross_entropy(x, weight, target, chunk_size=4, reduction=reduction)
+    gradients = [(12, 2), (50, 2)] if reduction != "none" else []
+    assert [shape for shape in kept if shape] == [(12, 2), (50, 2), (12,), *gradients]
+
+
 class _Products(TorchDispatchMode):
     """The shapes of the matrix products whose result has ``columns`` columns (the logits)."""
 

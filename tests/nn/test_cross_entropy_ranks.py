@@ -6,6 +6,7 @@ Each rank's results are compared with ``F.cross_entropy`` in one process on the 
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -305,6 +306,42 @@ def test_a_replicated_weight_gives_the_loss_and_gradients_of_one_process(
         if len(mesh_shape) == 2:
             assert "(Replicate(), Shard(dim=0))" in message
             assert "Replicate()), or the vocabulary sharded" in message
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_shard_reduces_twice_a_chunk_and_x_gradient_once(
+    reduction: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """10 tokens, 9 counted, in chunks of 3: by default, two all-reduces a chunk in forward
+    and one of x's gradient. A mean computes it in forward; ``reduction="none"`` keeps each
+    token's 3 statistics for backward, which takes the softmax from them, and reduces only x's
+    gradient. The loss and gradients are one process's."""
+    weight, x, target, upstream = _case(17, 2)
+    all_reduce, calls = torch.distributed.all_reduce, []
+    monkeypatch.setattr(
+        torch.distributed,
+        "all_reduce",
+        lambda t, **kw: calls.append(threading.get_ident()) or all_reduce(t, **kw),
+    )
+
+    def rank_main(rank: int) -> tuple[list[Tensor], list[int], list[tuple[int, ...]]]:
+        head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
+        leaf, me, kept = x.clone().requires_grad_(), threading.get_ident(), []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda saved: kept.append(tuple(saved.shape)) or saved, lambda saved: saved
+        ):
+            loss = head.cross_entropy(leaf, target, reduction=reduction, chunk_size=3)
+        counts = [calls.count(me)]
+        loss.backward(upstream if loss.dim() else None)
+        counts.append(calls.count(me) - counts[0])
+        grad_w = head.weight.grad.full_tensor()  # type: ignore[union-attr]
+        return [loss.detach(), leaf.grad, grad_w], counts, kept  # type: ignore[list-item]
+
+    expected = _reference(weight, x, target, upstream, reduction=reduction)
+    for result, counts, kept in run_threads(2, rank_main):
+        torch.testing.assert_close(result, expected)
+        assert counts == ([7, 0] if reduction == "mean" else [6, 1])
+        assert ((3, 10) in kept) == (reduction == "none")
 
 
 def test_the_default_chunk_is_the_same_on_ranks_with_uneven_rows() -> None:

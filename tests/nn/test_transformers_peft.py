@@ -141,7 +141,7 @@ def test_an_adapter_on_the_head_is_refused(chunked_loss: bool) -> None:
     peft_model = adapted(model, config)
     with pytest.raises(RuntimeError, match=FIX) as error:
         peft_model(input_ids=IDS, labels=IDS)
-    assert "output embeddings are a peft." in str(error.value)
+    assert "LlamaForCausalLM's output embeddings are a peft." in str(error.value)
     with pytest.raises(RuntimeError, match=FIX):  # where PEFT calls the forward without hooks
         model.forward(input_ids=IDS)
 
