@@ -310,12 +310,12 @@ def test_a_replicated_weight_gives_the_loss_and_gradients_of_one_process(
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_a_shard_reduces_twice_a_chunk_and_x_gradient_once(
-    reduction: str, monkeypatch: pytest.MonkeyPatch
+    reduction: str, detail: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """10 tokens, 9 counted, in chunks of 3: by default, two all-reduces a chunk in forward
-    and one of x's gradient. A mean computes it in forward; ``reduction="none"`` keeps each
-    token's 3 statistics for backward, which takes the softmax from them, and reduces only x's
-    gradient. The loss and gradients are one process's."""
+    """10 tokens, 9 counted, in chunks of 3: two all-reduces a chunk in forward and one of x's
+    gradient (under DETAIL, two of the check's before them). A mean computes it in forward;
+    ``reduction="none"`` keeps each token's 3 statistics for backward, which takes the softmax
+    from them, and reduces only x's gradient. The loss and gradients are one process's."""
     weight, x, target, upstream = _case(17, 2)
     all_reduce, calls = torch.distributed.all_reduce, []
     monkeypatch.setattr(
@@ -338,9 +338,10 @@ def test_a_shard_reduces_twice_a_chunk_and_x_gradient_once(
         return [loss.detach(), leaf.grad, grad_w], counts, kept  # type: ignore[list-item]
 
     expected = _reference(weight, x, target, upstream, reduction=reduction)
+    forward, backward = (7, 0) if reduction == "mean" else (6, 1)
     for result, counts, kept in run_threads(2, rank_main):
         torch.testing.assert_close(result, expected)
-        assert counts == ([7, 0] if reduction == "mean" else [6, 1])
+        assert counts == [forward + 2 * detail, backward]
         assert ((3, 10) in kept) == (reduction == "none")
 
 

@@ -188,7 +188,7 @@ def _statistics(
         return _Statistics(lse, target_logit, total, z.sub_(lse.unsqueeze(1)).exp_(), column, here)
     peak = z.amax(1) if rows else z.new_full((tokens,), -math.inf)
     if check is not None:  # the call's entries, then the maxima padded to one size (unread)
-        peak = torch.cat([check.entries, peak, peak.new_empty(_FIRST_ROWS - tokens)])
+        peak = torch.cat([check.entries, peak, peak.new_zeros(_FIRST_ROWS - tokens)])
     peak = _all_reduce(peak, o.shard, torch.distributed.ReduceOp.MAX)
     if check is not None:
         _raise_unless_same(check, peak[: len(check.entries)])
