@@ -313,7 +313,8 @@ def test_a_shard_reduces_twice_a_chunk_and_x_gradient_once(
     reduction: str, detail: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """10 tokens, 9 counted, in chunks of 3: two all-reduces a chunk in forward and one of x's
-    gradient (under DETAIL, two of the check's before them). A mean computes it in forward;
+    gradient (under DETAIL, two of the check's before them). By default the call's check rides
+    the first alone, padded to 1,024 tokens. A mean computes x's gradient in forward;
     ``reduction="none"`` keeps each token's 3 statistics for backward, which takes the softmax
     from them, and reduces only x's gradient. The loss and gradients are one process's."""
     weight, x, target, upstream = _case(17, 2)
@@ -321,27 +322,28 @@ def test_a_shard_reduces_twice_a_chunk_and_x_gradient_once(
     monkeypatch.setattr(
         torch.distributed,
         "all_reduce",
-        lambda t, **kw: calls.append(threading.get_ident()) or all_reduce(t, **kw),
+        lambda t, **kw: calls.append((threading.get_ident(), t.numel())) or all_reduce(t, **kw),
     )
 
-    def rank_main(rank: int) -> tuple[list[Tensor], list[int], list[tuple[int, ...]]]:
+    def rank_main(rank: int) -> tuple[list[Tensor], list[int], list[int], list[tuple[int, ...]]]:
         head = TiedLinear(_sharded_embedding(weight, init_device_mesh("cpu", (2,))))
         leaf, me, kept = x.clone().requires_grad_(), threading.get_ident(), []
         with torch.autograd.graph.saved_tensors_hooks(
             lambda saved: kept.append(tuple(saved.shape)) or saved, lambda saved: saved
         ):
             loss = head.cross_entropy(leaf, target, reduction=reduction, chunk_size=3)
-        counts = [calls.count(me)]
+        sizes = [numel for ident, numel in calls if ident == me]
         loss.backward(upstream if loss.dim() else None)
-        counts.append(calls.count(me) - counts[0])
+        counts = [len(sizes), sum(ident == me for ident, _ in calls) - len(sizes)]
         grad_w = head.weight.grad.full_tensor()  # type: ignore[union-attr]
-        return [loss.detach(), leaf.grad, grad_w], counts, kept  # type: ignore[list-item]
+        return [loss.detach(), leaf.grad, grad_w], counts, sizes, kept  # type: ignore[list-item]
 
     expected = _reference(weight, x, target, upstream, reduction=reduction)
     forward, backward = (7, 0) if reduction == "mean" else (6, 1)
-    for result, counts, kept in run_threads(2, rank_main):
+    for result, counts, sizes, kept in run_threads(2, rank_main):
         torch.testing.assert_close(result, expected)
         assert counts == [forward + 2 * detail, backward]
+        assert [size > 1024 for size in sizes] == [not detail] + [False] * (len(sizes) - 1)
         assert ((3, 10) in kept) == (reduction == "none")
 
 
