@@ -483,18 +483,19 @@ DYNAMO_CONTEXT_WARNING = pytest.mark.filterwarnings(
 
 @DYNAMO_CONTEXT_WARNING
 @pytest.mark.parametrize(
-    ("backend", "options"),
+    ("backend", "options", "dtype"),
     [
-        ("eager", {"z_loss": 1e-2, "chunk_size": 3}),
-        ("eager", {"reduction": "none", "z_loss": 1e-2, "chunk_size": 3}),
-        ("inductor", {"chunk_size": 3}),  # the in-place kernel, functionalized
+        ("eager", {"z_loss": 1e-2, "chunk_size": 3}, F32),
+        ("eager", {"reduction": "none", "z_loss": 1e-2, "chunk_size": 3}, F32),
+        ("eager", {"chunk_size": 3}, BF16),  # logits' gradients in float32, products in bf16
+        ("inductor", {"chunk_size": 3}, F32),  # the in-place kernel, functionalized
     ],
 )
 def test_compiles_in_one_graph_with_the_loss_and_gradients_of_the_plain_path(
-    backend: str, options: dict[str, Any]
+    backend: str, options: dict[str, Any], dtype: torch.dtype
 ) -> None:
     """And a target outside the vocabulary, read when the graph runs, still raises."""
-    x, weight, target = _inputs(7, 5, 3, F32)
+    x, weight, target = _inputs(7, 5, 3, dtype)
     head = TiedLinear(nn.Embedding(5, 3, _weight=weight))  # built outside, as in a model
     compiled = torch.compile(
         lambda x: head.cross_entropy(x, target, **options).sum(), fullgraph=True, backend=backend
