@@ -389,6 +389,10 @@ REFUSED: dict[str, tuple[Callable[[LlamaForCausalLM], object], list[str]]] = {
         lambda m: _set_head(m, tie_output_embeddings(llama())),
         ["not tied to the input embeddings"],
     ),
+    "head-outside-the-model": (
+        lambda m: setattr(m, "get_output_embeddings", lambda: llama().lm_head),
+        ["not one of the model's own", "return the model's own head from get_output_embeddings()"],
+    ),
 }
 
 

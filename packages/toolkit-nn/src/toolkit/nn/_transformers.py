@@ -89,7 +89,7 @@ def tie_output_embeddings(model: nn.Module, *, chunked_loss: bool = False) -> Ti
     Raises:
         TypeError: If ``model`` is not a transformers model with input and output embeddings.
         ValueError: If ``config.tie_word_embeddings`` is False, or the head is not the
-            bias-free, tied Linear a tied model holds; with ``chunked_loss``, if the class is
+            model's own bias-free, tied Linear; with ``chunked_loss``, if the class is
             not listed, or another wrapper replaced ``model.forward``. Nothing is changed.
         RuntimeError: If an adapter (PEFT's) wraps the embedding; so does every forward once
             one wraps the embedding or the head.
@@ -134,7 +134,13 @@ def tie_output_embeddings(model: nn.Module, *, chunked_loss: bool = False) -> Ti
     ):
         raise ValueError(f"{kind}'s head already is {output!r}, not tied to the input embeddings")
     modules = dict(model.named_modules())
-    path = next(name for name, module in modules.items() if module is output)
+    path = next((name for name, module in modules.items() if module is output), None)
+    if path is None:
+        raise ValueError(
+            f"{kind}'s get_output_embeddings() returns a module that is not one of the "
+            "model's own, so tying could not replace it: return the model's own head from "
+            "get_output_embeddings()"
+        )
     if isinstance(output, _ModelHead):  # tied by an earlier call: only the loss is set again
         _set_chunked_loss(model, chunked_loss, path)
         return output
